@@ -1,0 +1,48 @@
+# Atrium: two commands. `make run` starts a working portal with the demo organisation;
+# `make test` runs ruff and the whole test suite against PostgreSQL and Redis.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+
+# make test uses this PostgreSQL server; pytest-django creates and drops test_atrium on it.
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/atrium
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+
+.PHONY: run test lint bench seed clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(STAMP): requirements.txt | $(PY)
+	$(PIP) install --quiet -r requirements.txt
+	touch $@
+
+$(DEV_STAMP): requirements.txt requirements-dev.txt | $(PY)
+	$(PIP) install --quiet -r requirements-dev.txt
+	touch $(STAMP) $@
+
+run: $(STAMP)
+	@DEBUG=$${DEBUG:-1} $(PY) manage.py check_redis
+	DEBUG=$${DEBUG:-1} $(PY) manage.py migrate --no-input -v0
+	DEBUG=$${DEBUG:-1} $(PY) manage.py seed_demo
+	DEBUG=$${DEBUG:-1} $(PY) manage.py run_all
+
+test: $(DEV_STAMP)
+	$(VENV)/bin/ruff check .
+	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) SECRET_KEY=test-only-secret-key-0123456789abcdef-not-for-production \
+	DEBUG=0 ATRIUM_TESTING=1 SECURE_SSL_REDIRECT=0 SESSION_COOKIE_SECURE=0 CSRF_COOKIE_SECURE=0 SECURE_HSTS_SECONDS=0 \
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(DEV_STAMP)
+	$(PY) bench/trace_replay.py --policy fgd,best-fit,random
+	$(PY) bench/cycle.py
+
+clean:
+	rm -rf var/ .pytest_cache .ruff_cache

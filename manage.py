@@ -1,0 +1,25 @@
+#!/usr/bin/env python
+"""Django's command-line utility for Atrium; bad configuration ends in one clear sentence."""
+
+import os
+import sys
+
+
+def main() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        from django.core.management import execute_from_command_line
+
+        import django
+
+        django.setup()
+    except ImproperlyConfigured as exc:
+        sys.stderr.write(f"Atrium cannot start: {exc}\n")
+        sys.exit(2)
+    execute_from_command_line(sys.argv)
+
+
+if __name__ == "__main__":
+    main()

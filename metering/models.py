@@ -1,0 +1,53 @@
+"""The usage ledger and prices: card time by hour, attributed to tenant, project and model.
+
+The ledger is derived from scheduling Bindings: one row per (binding, hour) holding the
+milli-card-seconds of that binding inside that hour. Rows are upserted on that unique key, so
+accruing the same interval twice, or after a crash half-way, never counts twice.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+
+class UsageRecord(models.Model):
+    hour = models.DateTimeField(help_text="start of the UTC hour")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+")
+    project = models.ForeignKey("tenants.Project", on_delete=models.PROTECT, related_name="+")
+    accelerator_model = models.ForeignKey("scheduling.AcceleratorModel", on_delete=models.PROTECT, related_name="+")
+    pool = models.ForeignKey("scheduling.ResourcePool", on_delete=models.PROTECT, related_name="+")
+    job = models.ForeignKey("scheduling.Job", null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    binding = models.ForeignKey("scheduling.Binding", on_delete=models.PROTECT, related_name="usage")
+    milli_card_seconds = models.BigIntegerField(help_text="seconds x share of the card in thousandths")
+
+    class Meta:
+        default_permissions = ()
+        constraints = [models.UniqueConstraint(fields=["binding", "hour"], name="usage_binding_hour")]
+        indexes = [
+            models.Index(fields=["tenant", "hour"]),
+            models.Index(fields=["project", "hour"]),
+        ]
+
+    @property
+    def card_hours(self) -> float:
+        return self.milli_card_seconds / 1000 / 3600
+
+
+class Price(models.Model):
+    """Price of one card-hour of an accelerator model, from a date on (past cost never moves)."""
+
+    accelerator_model = models.ForeignKey("scheduling.AcceleratorModel", on_delete=models.PROTECT, related_name="prices")
+    per_card_hour = models.DecimalField(max_digits=10, decimal_places=4)
+    effective_from = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        default_permissions = ()
+        ordering = ["accelerator_model", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["accelerator_model", "effective_from"], name="price_once_per_date"),
+            models.CheckConstraint(condition=models.Q(per_card_hour__gte=0), name="price_non_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.accelerator_model} {self.per_card_hour}/card-hour from {self.effective_from:%Y-%m-%d}"

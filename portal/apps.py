@@ -1,0 +1,9 @@
+from django.apps import AppConfig
+
+
+class PortalConfig(AppConfig):
+    name = "portal"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from portal import signals  # noqa: F401  (connects the audit receivers)

@@ -1,0 +1,24 @@
+"""Atrium's URL map: each app's URLs under its own prefix, health probes at the root."""
+
+from django.conf import settings
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+
+from portal import views
+
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("healthz", views.healthz, name="healthz"),
+    path("readyz", views.readyz, name="readyz"),
+    path("login/", views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("reauthenticate/", views.reauthenticate, name="reauthenticate"),
+    path("audit/", include("portal.audit_urls")),
+    path("scheduling/", include("scheduling.urls")),
+]
+if settings.OIDC_ENABLED:
+    urlpatterns.append(path("oidc/", include("mozilla_django_oidc.urls")))
+
+handler403 = "portal.views.error_403"
+handler404 = "portal.views.error_404"
+handler500 = "portal.views.error_500"

@@ -1,0 +1,447 @@
+"""Domain operations of the scheduler: inventory, specs, priority classes, quotas, jobs, health.
+
+The only place that changes scheduling rows. Each function takes the acting user (or a
+service identity through portal.context), checks permission through tenants.access, changes
+state in one transaction and writes exactly one audit event. Submission stores a PENDING job
+and enqueues a cycle after commit; it never admits a job itself.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import transaction
+from django.db.models import Q, Sum
+from django.utils import timezone
+
+from portal import audit
+from portal.services import deny, require_sudo
+from scheduling.models import (
+    ACTIVE_STATES,
+    Accelerator,
+    AcceleratorModel,
+    Binding,
+    BindingEnd,
+    Health,
+    HealthEvent,
+    HealthEventKind,
+    Job,
+    JobEvent,
+    JobState,
+    Node,
+    NodeState,
+    PriorityClass,
+    Quota,
+    QuotaResource,
+    ResourcePool,
+    ResourceSpec,
+    ShareMode,
+    WaitReason,
+)
+from tenants import access
+from tenants.models import Project, ProjectMembership, Tenant, TenantMembership
+
+# --- inventory --------------------------------------------------------------------------
+
+
+def _require_platform(actor, perm: str, action: str, **target) -> None:
+    if not access.has_platform_perm(actor, perm):
+        deny(actor, action, f"needs the platform permission {perm}", **target)
+
+
+def create_accelerator_model(actor, **fields) -> AcceleratorModel:
+    _require_platform(actor, "manage_policy", "inventory.model.create", target_label=fields.get("name", ""))
+    model = AcceleratorModel(**fields)
+    model.full_clean()
+    with transaction.atomic():
+        model.save()
+        audit.record("inventory.model.create", actor=actor, target=model, after=fields)
+    return model
+
+
+def create_pool(actor, **fields) -> ResourcePool:
+    _require_platform(actor, "manage_policy", "inventory.pool.create", target_label=fields.get("name", ""))
+    pool = ResourcePool(**fields)
+    pool.full_clean()
+    with transaction.atomic():
+        pool.save()
+        audit.record("inventory.pool.create", actor=actor, target=pool, after=fields)
+    return pool
+
+
+def register_node(
+    actor, *, pool: ResourcePool, name: str, cpu_milli: int, memory_mib: int, model: AcceleratorModel,
+    cards: int, nvlink_domains: int = 1, labels: dict | None = None, uuid_prefix: str = "GPU",
+) -> Node:
+    """Add a node with `cards` identical cards split evenly over `nvlink_domains`."""
+    _require_platform(actor, "operate_inventory", "inventory.node.register", target_label=name)
+    if cards < 1 or nvlink_domains < 1 or cards % nvlink_domains:
+        raise ValidationError({"cards": "cards must split evenly over the NVLink domains"})
+    node = Node(pool=pool, name=name, cpu_milli=cpu_milli, memory_mib=memory_mib, labels=labels or {})
+    node.full_clean()
+    per_domain = cards // nvlink_domains
+    with transaction.atomic():
+        node.save()
+        Accelerator.objects.bulk_create(
+            Accelerator(
+                node=node, index=i, uuid=f"{uuid_prefix}-{name}-{i}", model=model,
+                nvlink_domain=i // per_domain, mig_enabled=pool.mig_enabled,
+            )
+            for i in range(cards)
+        )
+        audit.record("inventory.node.register", actor=actor, target=node,
+                     after={"pool": pool.name, "cards": cards, "model": model.name})
+    return node
+
+
+# --- specs and priority classes -----------------------------------------------------------
+
+
+def spec_satisfiable(spec: ResourceSpec, models: list[AcceleratorModel], pools: list[ResourcePool]) -> str:
+    """Why no pool could ever run this spec, or "" if some node could (ignoring health)."""
+    nodes = Node.objects.filter(retired__isnull=True)
+    if pools:
+        nodes = nodes.filter(pool__in=pools)
+    if spec.mode == ShareMode.FRACTION:
+        nodes = nodes.filter(pool__allows_sharing=True)
+    if spec.mode == ShareMode.MIG:
+        nodes = nodes.filter(pool__mig_enabled=True)
+    else:
+        nodes = nodes.filter(pool__mig_enabled=False)
+    nodes = nodes.filter(cpu_milli__gte=spec.cpu_milli, memory_mib__gte=spec.memory_mib)
+    for node in nodes.prefetch_related("accelerators"):
+        per_domain: dict[int, int] = {}
+        for card in node.accelerators.all():
+            if card.retired is None and card.model in models:
+                if spec.mode == ShareMode.MIG and spec.mig_profile not in card.model.mig_profiles:
+                    continue
+                per_domain[card.nvlink_domain] = per_domain.get(card.nvlink_domain, 0) + 1
+        needed = spec.gpu_count if spec.mode == ShareMode.WHOLE else 1
+        if per_domain and max(per_domain.values()) >= needed:
+            return ""
+    what = f"{spec.gpu_count} x {'/'.join(m.short_name for m in models)}"
+    if spec.mode != ShareMode.WHOLE:
+        what = f"{spec.get_mode_display()} of {'/'.join(m.short_name for m in models)}"
+    return f"no pool has a node with {what} in one NVLink domain and {spec.cpu_milli // 1000} CPU / {spec.memory_mib // 1024} GiB"
+
+
+def create_spec(actor, *, models: list[AcceleratorModel], pools: list[ResourcePool] | None = None, **fields) -> ResourceSpec:
+    _require_platform(actor, "manage_policy", "spec.create", target_label=fields.get("name", ""))
+    spec = ResourceSpec(**fields)
+    spec.full_clean()
+    if not models:
+        raise ValidationError({"accelerator_models": "choose at least one compatible accelerator model"})
+    if spec.mode == ShareMode.MIG:
+        if not spec.mig_profile:
+            raise ValidationError({"mig_profile": "a MIG spec names its profile, e.g. 3g.40gb"})
+        if spec.gpu_count != 1:
+            raise ValidationError({"gpu_count": "a MIG spec asks for one slice"})
+    if spec.mode == ShareMode.FRACTION and not (0 < spec.fraction_milli < 1000 and spec.gpu_count == 1):
+        raise ValidationError({"fraction_milli": "a share is between 1 and 999 thousandths of one card"})
+    why = spec_satisfiable(spec, models, pools or [])
+    if why:
+        raise ValidationError({"__all__": f"This spec could never run: {why}."})
+    with transaction.atomic():
+        spec.save()
+        spec.accelerator_models.set(models)
+        spec.pools.set(pools or [])
+        audit.record("spec.create", actor=actor, target=spec,
+                     after={**fields, "models": [m.name for m in models]})
+    return spec
+
+
+def save_priority_class(actor, **fields) -> PriorityClass:
+    _require_platform(actor, "manage_policy", "priority.change", target_label=fields.get("name", ""))
+    require_sudo(actor, "priority.change", target_label=fields.get("name", ""))
+    existing = PriorityClass.objects.filter(name=fields["name"]).first()
+    before = None
+    if existing:
+        before = {k: getattr(existing, k) for k in fields}
+        for k, v in fields.items():
+            setattr(existing, k, v)
+        pc = existing
+    else:
+        pc = PriorityClass(**fields)
+    pc.full_clean()
+    with transaction.atomic():
+        pc.save()
+        audit.record("priority.change", actor=actor, target=pc, before=before, after=fields)
+    return pc
+
+
+# --- quotas ---------------------------------------------------------------------------
+
+
+def _quota_filter(resource: str, model: AcceleratorModel | None) -> Q:
+    return Q(resource=resource, accelerator_model=model)
+
+
+def set_quota(
+    actor, *, tenant: Tenant, project: Project | None = None, resource: str,
+    accelerator_model: AcceleratorModel | None = None, guaranteed, limit,
+) -> Quota:
+    """Set one quota line. Tenant lines: platform admins with sudo. Project lines: the
+    tenant's admins, inside what the tenant line allows."""
+    guaranteed, limit = Decimal(str(guaranteed)), Decimal(str(limit))
+    target = project or tenant
+    action = "quota.change"
+    if resource not in QuotaResource.values:
+        raise ValidationError({"resource": f"unknown quota resource {resource!r}"})
+    if (resource == QuotaResource.GPUS) != (accelerator_model is not None):
+        raise ValidationError({"accelerator_model": "GPU lines name an accelerator model; other lines do not"})
+    if guaranteed < 0 or limit < guaranteed:
+        raise ValidationError({"limit": "the limit must be at least the guaranteed amount, both non-negative"})
+    if project is not None and project.tenant_id != tenant.pk:
+        raise ValidationError({"project": "the project belongs to another tenant"})
+    existing = Quota.objects.filter(tenant=tenant, project=project).filter(
+        _quota_filter(resource, accelerator_model)
+    ).first()
+    before = {"guaranteed": existing.guaranteed, "limit": existing.limit} if existing else None
+    if project is None:
+        if not access.has_platform_perm(actor, "manage_tenants"):
+            deny(actor, action, "only platform admins change a tenant's quota", target=tenant, tenant=tenant)
+        raising = existing is None or limit > existing.limit or guaranteed > existing.guaranteed
+        if raising:
+            require_sudo(actor, action, target=tenant, tenant=tenant)
+    else:
+        if not (access.has_platform_perm(actor, "manage_tenants") or access.can(actor, "split_tenant_quota", tenant)):
+            deny(actor, action, "only the tenant's admins split its quota", target=project, project=project)
+        line = Quota.objects.filter(tenant=tenant, project=None).filter(_quota_filter(resource, accelerator_model)).first()
+        if line is None:
+            raise ValidationError({"limit": "the tenant has no quota for this resource to split"})
+        others = Quota.objects.filter(tenant=tenant, project__isnull=False).filter(
+            _quota_filter(resource, accelerator_model)
+        ).exclude(project=project).aggregate(g=Sum("guaranteed"))["g"] or Decimal(0)
+        if limit > line.limit:
+            raise ValidationError({"limit": f"the tenant's limit is {line.limit:g}; a project cannot exceed it"})
+        if others + guaranteed > line.guaranteed:
+            left = line.guaranteed - others
+            raise ValidationError(
+                {"guaranteed": f"only {left:g} of the tenant's guaranteed {line.guaranteed:g} is left to split"}
+            )
+    with transaction.atomic():
+        quota, _ = Quota.objects.update_or_create(
+            tenant=tenant, project=project, resource=resource, accelerator_model=accelerator_model,
+            defaults={"guaranteed": guaranteed, "limit": limit},
+        )
+        audit.record(action, actor=actor, target=quota, tenant=tenant, project=project,
+                     target_label=str(quota), before=before, after={"guaranteed": guaranteed, "limit": limit})
+    return quota
+
+
+# --- jobs -----------------------------------------------------------------------------
+
+
+def allowed_priority_classes(user, project: Project):
+    """Priority classes this user may use in this project (class of project and role)."""
+    roles = set(ProjectMembership.objects.filter(user=user, project=project).values_list("role", flat=True))
+    roles |= set(TenantMembership.objects.filter(user=user, tenant_id=project.tenant_id).values_list("role", flat=True))
+    out = []
+    for pc in PriorityClass.objects.all():
+        if pc.allowed_project_classes and project.project_class not in pc.allowed_project_classes:
+            continue
+        if pc.allowed_roles and not roles & set(pc.allowed_roles):
+            continue
+        out.append(pc)
+    return out
+
+
+def submit_job(
+    actor, *, project: Project, spec: ResourceSpec, priority_class: PriorityClass, name: str,
+    image: str, command: list[str], replicas: int = 1, time_limit_minutes: int = 1440,
+    expected_minutes: int = 60, submitted: dt.datetime | None = None, kind: str = "batch",
+) -> Job:
+    if not access.can(actor, "submit_job", project):
+        if project.pk in access.project_ids(actor, "view_project"):
+            deny(actor, "job.submit", "you may not submit jobs in this project", target=project, project=project)
+        deny(actor, "job.submit", "project not in reach", target_label=str(project.pk))
+    if not project.is_active:
+        raise ValidationError({"project": "this project is archived or its tenant suspended"})
+    if not spec.active:
+        raise ValidationError({"spec": "this resource spec is retired"})
+    if priority_class not in allowed_priority_classes(actor, project):
+        deny(actor, "job.submit",
+             f"priority class {priority_class.name} is not allowed for {project.get_project_class_display()} "
+             "projects or your role", target=project, project=project)
+    job = Job(
+        tenant=project.tenant, project=project, submitter=actor, name=name, spec=spec,
+        priority_class=priority_class, replicas=replicas, image=image, command=command,
+        time_limit_minutes=time_limit_minutes, expected_minutes=expected_minutes,
+        submitted=submitted or timezone.now(), kind=kind, wait_reason=WaitReason.QUEUED,
+        wait_message="Waiting for the next scheduling cycle.",
+    )
+    job.full_clean()
+    with transaction.atomic():
+        job.save()
+        JobEvent.objects.create(job=job, time=job.submitted, kind="submitted",
+                                message=f"Submitted by {actor.get_username()} with {spec.name}, {priority_class.name}.")
+        audit.record("job.submit", actor=actor, target=job, project=project,
+                     after={"spec": spec.name, "priority": priority_class.name, "replicas": replicas, "image": image})
+        transaction.on_commit(_enqueue_cycle)
+    return job
+
+
+def _enqueue_cycle() -> None:
+    from scheduling import jobs
+
+    jobs.enqueue_cycle()
+
+
+def enqueue_cycle_after_commit() -> None:
+    transaction.on_commit(_enqueue_cycle)
+
+
+def cancel_job(actor, job: Job, *, reason: str = "") -> Job:
+    own = job.submitter_id == actor.pk and access.can(actor, "submit_job", job.project)
+    if not (own or access.can(actor, "cancel_project_jobs", job.project) or access.has_platform_perm(actor, "manage_tenants")):
+        deny(actor, "job.cancel", "you may cancel only your own jobs here", target=job, project=job.project)
+    if job.is_final:
+        raise ValidationError({"state": f"job {job.pk} is already {job.state}"})
+    now = timezone.now()
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job.pk)
+        if job.is_final:
+            raise ValidationError({"state": f"job {job.pk} is already {job.state}"})
+        before = job.state
+        Binding.objects.filter(job=job, end__isnull=True).update(end=now, end_reason=BindingEnd.CANCELLED)
+        job.state = JobState.CANCELLED
+        job.finished = now
+        job.wait_reason = WaitReason.NONE
+        job.wait_message = ""
+        job.queue_position = None
+        job.save()
+        JobEvent.objects.create(job=job, time=now, kind="cancelled",
+                                message=f"Cancelled by {actor.get_username()}" + (f": {reason}" if reason else "."))
+        audit.record("job.cancel", actor=actor, target=job, project=job.project,
+                     before={"state": before}, after={"state": job.state}, reason=reason)
+        transaction.on_commit(_enqueue_cycle)
+    return job
+
+
+# --- health -----------------------------------------------------------------------------
+
+# XIDs that mean the card cannot be trusted (NVIDIA's "reset/replace" class), and what to do.
+FATAL_XIDS = {48, 63, 64, 74, 79, 92, 94, 95, 119, 120}
+DEGRADING_XIDS = {13, 31, 43, 45, 61, 62, 69}
+
+
+def health_policy(kind: str, code: int | None) -> str:
+    """The health a card gets after an event: the policy the simulated and real backends share."""
+    if kind in (HealthEventKind.ECC_DBE, HealthEventKind.ROW_REMAP, HealthEventKind.MISSING):
+        return Health.FAILED if kind == HealthEventKind.MISSING else Health.QUARANTINED
+    if kind == HealthEventKind.XID:
+        if code == 79:  # fallen off the bus: keep it out until someone looks
+            return Health.DEGRADED
+        if code in FATAL_XIDS:
+            return Health.QUARANTINED
+        if code in DEGRADING_XIDS:
+            return Health.DEGRADED
+        return Health.HEALTHY
+    if kind == HealthEventKind.THERMAL:
+        return Health.DEGRADED
+    return Health.HEALTHY
+
+
+def record_health_event(actor, card: Accelerator, *, kind: str, code: int | None = None, message: str,
+                        time: dt.datetime | None = None) -> HealthEvent:
+    """A health signal from a backend (or ops): apply the policy, requeue jobs on a failed card."""
+    if actor is not None and not access.has_platform_perm(actor, "operate_inventory"):
+        deny(actor, "card.health", "only ops engineers report health", target=card)
+    now = time or timezone.now()
+    new_health = health_policy(kind, code)
+    severity = [Health.HEALTHY, Health.DEGRADED, Health.QUARANTINED, Health.FAILED]
+    resulting = max(card.health, new_health, key=severity.index)
+    with transaction.atomic():
+        card = Accelerator.objects.select_for_update().get(pk=card.pk)
+        before = card.health
+        event = HealthEvent.objects.create(
+            accelerator=card, time=now, kind=kind, code=code, message=message, resulting_health=resulting
+        )
+        if resulting != before:
+            card.health = resulting
+            card.health_reason = message
+            card.health_since = now
+            card.save(update_fields=["health", "health_reason", "health_since"])
+            if resulting in (Health.QUARANTINED, Health.FAILED):
+                _requeue_jobs_on_card(card, now, reason=f"card {card} {resulting}: {message}")
+            audit.record("card.quarantine" if resulting != Health.HEALTHY else "card.health", actor=actor,
+                         actor_label="" if actor else "service:health", target=card,
+                         before={"health": before}, after={"health": resulting, "event": message})
+    return event
+
+
+def _requeue_jobs_on_card(card: Accelerator, now, *, reason: str) -> list[Job]:
+    jobs = list(Job.objects.select_for_update().filter(bindings__accelerator=card, bindings__end__isnull=True).distinct())
+    for job in jobs:
+        Binding.objects.filter(job=job, end__isnull=True).update(end=now, end_reason=BindingEnd.CARD_FAILED)
+        job.state = JobState.PENDING
+        job.started = None
+        job.admitted = None
+        job.wait_reason = WaitReason.HEALTH
+        job.wait_message = f"Requeued: {reason}."
+        job.save()
+        JobEvent.objects.create(job=job, time=now, kind="requeued", message=f"Requeued because {reason}.")
+    if jobs:
+        transaction.on_commit(_enqueue_cycle)
+    return jobs
+
+
+def set_card_health(actor, card: Accelerator, health: str, *, reason: str) -> Accelerator:
+    """Ops quarantines or releases a card by hand (audited)."""
+    _require_platform(actor, "operate_inventory", "card.quarantine" if health != Health.HEALTHY else "card.release",
+                      target=card)
+    if health not in Health.values:
+        raise ValidationError({"health": f"unknown health {health!r}"})
+    if not reason.strip():
+        raise ValidationError({"reason": "say why, for the card's history"})
+    now = timezone.now()
+    action = "card.release" if health == Health.HEALTHY else "card.quarantine"
+    with transaction.atomic():
+        card = Accelerator.objects.select_for_update().get(pk=card.pk)
+        before = card.health
+        card.health, card.health_reason, card.health_since = health, reason, now
+        card.save(update_fields=["health", "health_reason", "health_since"])
+        HealthEvent.objects.create(accelerator=card, time=now, kind=HealthEventKind.MANUAL,
+                                   message=f"{actor.get_username()}: {reason}", resulting_health=health)
+        if health in (Health.QUARANTINED, Health.FAILED):
+            _requeue_jobs_on_card(card, now, reason=f"card {card} {health} by ops: {reason}")
+        audit.record(action, actor=actor, target=card, before={"health": before}, after={"health": health},
+                     reason=reason)
+        if health == Health.HEALTHY:
+            transaction.on_commit(_enqueue_cycle)
+    return card
+
+
+def set_node_state(actor, node: Node, state: str, *, reason: str) -> Node:
+    _require_platform(actor, "operate_inventory", "node.state", target=node)
+    if state not in NodeState.values:
+        raise ValidationError({"state": f"unknown node state {state!r}"})
+    now = timezone.now()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        before = node.state
+        node.state, node.state_reason, node.state_since = state, reason, now
+        node.save(update_fields=["state", "state_reason", "state_since"])
+        if state == NodeState.DOWN:
+            for card in node.accelerators.all():
+                _requeue_jobs_on_card(card, now, reason=f"node {node} down: {reason}")
+        audit.record("node.state", actor=actor, target=node, before={"state": before}, after={"state": state},
+                     reason=reason)
+        transaction.on_commit(_enqueue_cycle)
+    return node
+
+
+def active_bindings_on(card: Accelerator, at: dt.datetime | None = None):
+    """Who held this card at `at` (now if None): the bindings overlapping that instant."""
+    if at is None:
+        return Binding.objects.filter(accelerator=card, end__isnull=True)
+    return Binding.objects.filter(accelerator=card, start__lte=at).filter(Q(end__isnull=True) | Q(end__gt=at))
+
+
+def usage_now(project: Project) -> dict:
+    """Active jobs of a project (for the submit page's quota preview)."""
+    return {"jobs": Job.objects.filter(project=project, state__in=ACTIVE_STATES).count()}
+
+
