@@ -92,7 +92,8 @@ class _Capacity:
         self.calls += 1
         if request.mig_profile:
             return self.board.choose(request, only)
-        nodes = self.hosts(request) if only is None else [self.by_name[n] for n in only]
+        # Sorted, so ties between nodes break the same way whatever the set's hash order.
+        nodes = self.hosts(request) if only is None else [self.by_name[n] for n in sorted(only)]
         return _placement.choose(nodes, request, self.policy, self.ctx)
 
     def first_fit(self, request: Request) -> Placement | None:
@@ -675,8 +676,18 @@ class _Cycle:
             for name in v.nodes:
                 if name in self.live.by_name:
                     on_node[name].append(v)
+        # Visit nodes by a lower bound on their cost and stop once it beats no more: with a
+        # borrowed victim somewhere, most of the fleet is never simulated.
+        bounds = sorted(
+            ((0 if any(v.job.borrowed for v in vs) else 1, 1, min(v.job.priority for v in vs)),
+             name)
+            for name, vs in on_node.items()
+        )
         best: tuple[tuple, list[_Victim]] | None = None
-        for name, victims in on_node.items():
+        for bound, name in bounds:
+            if best is not None and bound > best[0][:3]:
+                break
+            victims = on_node[name]
             node = self.live.by_name[name]
             if not self._could_ever(node, req, victims):
                 continue
