@@ -98,7 +98,7 @@ def replay(nodes_path: Path, pods_path: Path, policy: str, seed: int, tune: floa
     order = list(range(len(nodes)))
     rng.shuffle(order)
     ctx = PlacementContext(typical=typical, rng=rng,
-                           node_rank={n.name: r for n, r in zip(nodes, order)})
+                           node_rank={n.name: r for n, r in zip(nodes, order, strict=True)})
     by_name = {n.name: n for n in nodes}
     frag = {n.name: node_fragment(n, typical) for n in nodes} if with_frag else {}
     frag_total = sum(frag.values())
@@ -130,7 +130,9 @@ def replay(nodes_path: Path, pods_path: Path, policy: str, seed: int, tune: floa
         "failed": failed,
         "seconds": round(elapsed, 3),
         "placements_per_s": round(len(pods) / elapsed, 1) if elapsed else None,
-        "unallocated_at": {str(lv): unallocated_at(steps_arrived, steps_alloc, lv) for lv in LEVELS},
+        "unallocated_at": {
+            str(lv): unallocated_at(steps_arrived, steps_alloc, lv) for lv in LEVELS
+        },
         "steps": {"arrived_pct": steps_arrived, "allocated_pct": steps_alloc,
                   "frag_pct": steps_frag},
     }
@@ -139,7 +141,7 @@ def replay(nodes_path: Path, pods_path: Path, policy: str, seed: int, tune: floa
 def unallocated_at(arrived: list[float], alloc: list[float], level: float) -> float | None:
     """Unallocated GPU % at the last step whose arrived % does not exceed ``level``."""
     value = None
-    for a, al in zip(arrived, alloc):
+    for a, al in zip(arrived, alloc, strict=True):
         if a > level + 1e-9:
             break
         value = 100.0 - al
