@@ -10,9 +10,8 @@ def main() -> None:
     from django.core.exceptions import ImproperlyConfigured
 
     try:
-        from django.core.management import execute_from_command_line
-
         import django
+        from django.core.management import execute_from_command_line
 
         django.setup()
     except ImproperlyConfigured as exc:

@@ -23,7 +23,7 @@ class RequestContext:
 
 
 _current: contextvars.ContextVar[RequestContext] = contextvars.ContextVar(
-    "atrium_request_context", default=RequestContext()
+    "atrium_request_context", default=RequestContext()  # noqa: B039 (frozen, so never mutated)
 )
 
 

@@ -69,6 +69,15 @@ RULES: dict[tuple[str, str], Rule] = {
         platform=("view_all_usage",), project_perm="view_project_usage", tenant_perm="view_tenant_usage",
     ),
     ("portal.auditevent", "view"): Rule(platform=("view_all_audit",), tenant_perm="view_tenant_audit"),
+    ("metering.alarm", "view"): Rule(
+        platform=("view_all_usage", "view_inventory"), project_perm="view_project", tenant_perm="view_tenant_usage",
+    ),
+    ("metering.budget", "view"): Rule(
+        platform=("view_all_usage",), project_perm="view_project_usage", tenant_perm="view_tenant_usage",
+    ),
+    ("metering.report", "view"): Rule(
+        platform=("view_all_usage",), project_perm="view_project_usage", tenant_perm="view_tenant_usage",
+    ),
 }
 
 

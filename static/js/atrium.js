@@ -12,5 +12,12 @@
     });
   }
   document.addEventListener("DOMContentLoaded", function () { renderCharts(document); });
+  // Live panels poll only while the tab is visible (a filter expression in hx-trigger would
+  // need eval, which the CSP forbids).
+  document.addEventListener("htmx:beforeRequest", function (evt) {
+    if (document.visibilityState === "hidden" && evt.detail.elt.hasAttribute("data-poll")) {
+      evt.preventDefault();
+    }
+  });
   document.addEventListener("htmx:afterSettle", function (evt) { renderCharts(evt.target); });
 })();

@@ -208,26 +208,28 @@ class Command(BaseCommand):
         p = {pr.slug: pr for pr in Project.objects.all()}
         spec = {s.name: s for s in ResourceSpec.objects.all()}
         prio = {c.name: c for c in PriorityClass.objects.all()}
+        # (weight, user, project, spec, priority, minutes, name): a mix that keeps every pool busy
         workload = [
-            ("vision-user", "detector", "h100-80g x1", "training", 240, "train-detector"),
-            ("vision-user", "detector", "h100-80g x4", "training", 600, "detector-sweep"),
-            ("vision-user", "detector", "l4 x0.5", "development", 120, "notebook"),
-            ("nlp-user", "llm-finetune", "h100-80g x8", "training", 720, "llama-finetune"),
-            ("nlp-user", "llm-finetune", "h100-80g x1", "batch", 180, "eval-batch"),
-            ("nlp-user", "chat-prod", "l4 x0.5", "production", 1440, "chat-serving"),
-            ("nlp-user", "llm-finetune", "mi300x x1", "development", 300, "rocm-port"),
-            ("genomics-user", "folding", "a100 mig-3g.40gb", "training", 480, "fold-batch"),
-            ("genomics-user", "folding", "a100 mig-1g.10gb", "development", 90, "fold-notebook"),
-            ("genomics-user", "folding", "mi300x x1", "batch", 360, "md-sim"),
+            (4, "vision-user", "detector", "h100-80g x1", "training", 240, "train-detector"),
+            (2, "vision-user", "detector", "h100-80g x4", "training", 600, "detector-sweep"),
+            (3, "vision-user", "detector", "l4 x0.5", "development", 120, "notebook"),
+            (1, "nlp-user", "llm-finetune", "h100-80g x8", "training", 720, "llama-finetune"),
+            (3, "nlp-user", "llm-finetune", "h100-80g x1", "batch", 180, "eval-batch"),
+            (1, "nlp-user", "chat-prod", "l4 x0.5", "production", 1440, "chat-serving"),
+            (2, "nlp-user", "llm-finetune", "mi300x x1", "development", 300, "rocm-port"),
+            (3, "genomics-user", "folding", "a100 mig-3g.40gb", "training", 480, "fold-batch"),
+            (3, "genomics-user", "folding", "a100 mig-1g.10gb", "development", 90, "fold-notebook"),
+            (2, "genomics-user", "folding", "mi300x x1", "batch", 360, "md-sim"),
         ]
+        weights = [w[0] for w in workload]
         cluster = SimulatedCluster()
         now = timezone.now()
         t = (now - dt.timedelta(days=days)).replace(minute=0, second=0, microsecond=0)
-        step = dt.timedelta(hours=2)
+        step = dt.timedelta(hours=3)
         degraded = False
         while t < now - step:
-            for _ in range(rng.choice((0, 1, 1, 2, 3))):
-                user, proj, spec_name, prio_name, minutes, name = rng.choice(workload)
+            for _ in range(rng.choice((0, 1, 2, 2, 3))):
+                _w, user, proj, spec_name, prio_name, minutes, name = rng.choices(workload, weights)[0]
                 sched.submit_job(users[user], project=p[proj], spec=spec[spec_name], priority_class=prio[prio_name],
                                  name=f"{name}-{rng.randrange(1000):03d}", image="registry.demo/atrium/train:1.4",
                                  command=["python", "train.py", "--config", f"{name}.yaml"],
