@@ -84,3 +84,21 @@ def login_redirect(request):
         resp["HX-Redirect"] = url
         return resp
     return redirect(url)
+
+
+class HealthProbeMiddleware:
+    """Answers /healthz and /readyz before the Host check and HTTPS redirect.
+
+    Container and Kubernetes probes address the pod by IP or 127.0.0.1, which production
+    ALLOWED_HOSTS rightly does not list; the probes reveal nothing but up/ready.
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        if request.path in ("/healthz", "/readyz") and request.method in ("GET", "HEAD"):
+            from portal import views
+
+            return views.healthz(request) if request.path == "/healthz" else views.readyz(request)
+        return self.get_response(request)

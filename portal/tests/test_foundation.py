@@ -97,3 +97,12 @@ def test_no_template_contains_inline_script_or_cdn():
         for tag in re.findall(r"<script[^>]*>", text):
             assert "src=" in tag or "json_script" in text, f"inline script in {path}"
         assert "cdn." not in text and "unpkg.com" not in text and "jsdelivr" not in text, path
+
+
+@pytest.mark.django_db
+def test_probes_answer_for_hosts_outside_allowed_hosts(client, settings):
+    settings.ALLOWED_HOSTS = ["atrium.example.org"]
+    assert client.get("/healthz", HTTP_HOST="10.1.2.3:8000").status_code == 200
+    assert client.get("/readyz", HTTP_HOST="127.0.0.1").status_code == 200
+    # everything else still refuses an unknown host
+    assert client.get("/login/", HTTP_HOST="10.1.2.3:8000").status_code == 400
