@@ -49,7 +49,7 @@ class Command(BaseCommand):
         procs = [
             subprocess.Popen([*manage, "runserver", "--noreload", addr]),
             subprocess.Popen([*manage, "rqworker", "scheduling", "metering", "reports", "default",
-                              "--worker-class", "rq.worker.SimpleWorker"]),
+                              "--worker-class", "rq.worker.SimpleWorker", "--verbosity", "0"]),
             subprocess.Popen([*manage, "run_scheduler"]),
         ]
         stopping = False
