@@ -40,6 +40,8 @@ def on_logout(sender, request, user, **kwargs):
 
 @receiver(user_login_failed)
 def on_login_failed(sender, credentials, request=None, **kwargs):
+    if "username" not in credentials:
+        return  # the OIDC callback: portal.oidc audits its refusals itself, with the reason
     username = str(credentials.get("username", ""))[:150]
     audit.record("auth.login_failed", outcome=AuditOutcome.FAILED, actor_label=f"anonymous ({username})",
                  target_type="auth.user", target_label=username, reason="wrong username or password")
