@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 from decimal import Decimal
 
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
@@ -185,7 +185,6 @@ def set_quota(
     """Set one quota line. Tenant lines: platform admins with sudo. Project lines: the
     tenant's admins, inside what the tenant line allows."""
     guaranteed, limit = Decimal(str(guaranteed)), Decimal(str(limit))
-    target = project or tenant
     action = "quota.change"
     if resource not in QuotaResource.values:
         raise ValidationError({"resource": f"unknown quota resource {resource!r}"})
@@ -215,12 +214,12 @@ def set_quota(
             _quota_filter(resource, accelerator_model)
         ).exclude(project=project).aggregate(g=Sum("guaranteed"))["g"] or Decimal(0)
         if limit > line.limit:
-            raise ValidationError({"limit": f"the tenant's limit is {line.limit:g}; a project cannot exceed it"})
+            raise ValidationError({"limit": f"the tenant's limit is {line.limit.normalize():f}; a project cannot exceed it"})
         if others + guaranteed > line.guaranteed:
             left = line.guaranteed - others
-            raise ValidationError(
-                {"guaranteed": f"only {left:g} of the tenant's guaranteed {line.guaranteed:g} is left to split"}
-            )
+            raise ValidationError({"guaranteed": (
+                f"only {left.normalize():f} of the tenant's guaranteed {line.guaranteed.normalize():f} is left to split"
+            )})
     with transaction.atomic():
         quota, _ = Quota.objects.update_or_create(
             tenant=tenant, project=project, resource=resource, accelerator_model=accelerator_model,
@@ -352,10 +351,11 @@ def record_health_event(actor, card: Accelerator, *, kind: str, code: int | None
     now = time or timezone.now()
     new_health = health_policy(kind, code)
     severity = [Health.HEALTHY, Health.DEGRADED, Health.QUARANTINED, Health.FAILED]
-    resulting = max(card.health, new_health, key=severity.index)
     with transaction.atomic():
-        card = Accelerator.objects.select_for_update().get(pk=card.pk)
+        card = Accelerator.objects.select_for_update().select_related("node").get(pk=card.pk)
         before = card.health
+        # an event never makes a card healthier: only ops release a card (set_card_health)
+        resulting = max(before, new_health, key=severity.index)
         event = HealthEvent.objects.create(
             accelerator=card, time=now, kind=kind, code=code, message=message, resulting_health=resulting
         )
@@ -372,17 +372,34 @@ def record_health_event(actor, card: Accelerator, *, kind: str, code: int | None
     return event
 
 
-def _requeue_jobs_on_card(card: Accelerator, now, *, reason: str) -> list[Job]:
-    jobs = list(Job.objects.select_for_update().filter(bindings__accelerator=card, bindings__end__isnull=True).distinct())
+def _requeue_jobs_on_card(card: Accelerator, now, *, reason: str,
+                          end_reason: str = BindingEnd.CARD_FAILED) -> list[Job]:
+    """Requeue every job holding the card (found from its open bindings) and alarm its tenant.
+
+    All of a job's bindings end (a multi-card or multi-node job cannot run on part of its
+    cards). The alarm is, for now, a job event of kind "alarm" plus an audit event the
+    tenant's admins see in their audit log; a proper Alarm belongs to metering/dashboards.
+    """
+    from scheduling.queries import jobs_on_cards
+
+    jobs = list(jobs_on_cards([card.pk]).select_for_update(of=("self",)).select_related("project__tenant"))
     for job in jobs:
-        Binding.objects.filter(job=job, end__isnull=True).update(end=now, end_reason=BindingEnd.CARD_FAILED)
+        if job.state not in ACTIVE_STATES:
+            continue
+        Binding.objects.filter(job=job, end__isnull=True).update(end=now, end_reason=end_reason)
+        before = job.state
         job.state = JobState.PENDING
         job.started = None
         job.admitted = None
         job.wait_reason = WaitReason.HEALTH
         job.wait_message = f"Requeued: {reason}."
+        job.queue_position = None
         job.save()
         JobEvent.objects.create(job=job, time=now, kind="requeued", message=f"Requeued because {reason}.")
+        JobEvent.objects.create(job=job, time=now, kind="alarm",
+                                message=f"Alarm: job {job.pk} lost its cards ({reason}) and waits to be rescheduled.")
+        audit.record("alarm.job_requeued", target=job, project=job.project, reason=reason,
+                     before={"state": before}, after={"state": job.state, "end_reason": end_reason})
     if jobs:
         transaction.on_commit(_enqueue_cycle)
     return jobs
@@ -425,8 +442,8 @@ def set_node_state(actor, node: Node, state: str, *, reason: str) -> Node:
         node.state, node.state_reason, node.state_since = state, reason, now
         node.save(update_fields=["state", "state_reason", "state_since"])
         if state == NodeState.DOWN:
-            for card in node.accelerators.all():
-                _requeue_jobs_on_card(card, now, reason=f"node {node} down: {reason}")
+            for card in node.accelerators.select_related("node"):
+                _requeue_jobs_on_card(card, now, reason=f"node {node} down: {reason}", end_reason=BindingEnd.NODE_DOWN)
         audit.record("node.state", actor=actor, target=node, before={"state": before}, after={"state": state},
                      reason=reason)
         transaction.on_commit(_enqueue_cycle)
@@ -435,13 +452,26 @@ def set_node_state(actor, node: Node, state: str, *, reason: str) -> Node:
 
 def active_bindings_on(card: Accelerator, at: dt.datetime | None = None):
     """Who held this card at `at` (now if None): the bindings overlapping that instant."""
-    if at is None:
-        return Binding.objects.filter(accelerator=card, end__isnull=True)
-    return Binding.objects.filter(accelerator=card, start__lte=at).filter(Q(end__isnull=True) | Q(end__gt=at))
+    from scheduling.queries import occupants
+
+    return occupants(card, at)
 
 
 def usage_now(project: Project) -> dict:
     """Active jobs of a project (for the submit page's quota preview)."""
     return {"jobs": Job.objects.filter(project=project, state__in=ACTIVE_STATES).count()}
+
+
+def allowed_specs(project: Project | None):
+    """Active specs the project can use: those with a card model its quota gives it (a GPU
+    line with a positive limit on the project, or on its tenant when the project has none)."""
+    specs = ResourceSpec.objects.filter(active=True)
+    if project is None:
+        return specs
+    lines = Quota.objects.filter(tenant_id=project.tenant_id, resource=QuotaResource.GPUS)
+    project_lines = lines.filter(project=project)
+    lines = project_lines if project_lines.exists() else lines.filter(project__isnull=True)
+    models = lines.filter(limit__gt=0).values("accelerator_model")
+    return specs.filter(accelerator_models__in=models).distinct()
 
 

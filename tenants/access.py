@@ -69,6 +69,9 @@ RULES: dict[tuple[str, str], Rule] = {
         platform=("view_all_usage",), project_perm="view_project_usage", tenant_perm="view_tenant_usage",
     ),
     ("portal.auditevent", "view"): Rule(platform=("view_all_audit",), tenant_perm="view_tenant_audit"),
+    ("tenants.workorder", "view"): Rule(platform=("operate_inventory", "approve_vendor_grants")),
+    ("tenants.vendorgrant", "view"): Rule(platform=("operate_inventory", "approve_vendor_grants")),
+    ("tenants.platformroleassignment", "view"): Rule(platform=("manage_platform_roles",)),
     ("metering.alarm", "view"): Rule(
         platform=("view_all_usage", "view_inventory"), project_perm="view_project", tenant_perm="view_tenant_usage",
     ),
@@ -76,6 +79,16 @@ RULES: dict[tuple[str, str], Rule] = {
         platform=("view_all_usage",), project_perm="view_project_usage", tenant_perm="view_tenant_usage",
     ),
     ("metering.report", "view"): Rule(
+        platform=("view_all_usage",), project_perm="view_project_usage", tenant_perm="view_tenant_usage",
+    ),
+    # serving: tenant-wide services and shared knowledge bases widen these in serving.services
+    ("serving.modelservice", "view"): Rule(
+        platform=("view_all_tenants",), project_perm="view_project", tenant_perm="manage_tenant_projects",
+    ),
+    ("serving.application", "view"): Rule(platform=("view_all_tenants",), project_perm="view_project"),
+    ("serving.knowledgebase", "view"): Rule(platform=("view_all_tenants",), tenant_perm="manage_tenant_projects"),
+    ("serving.apikey", "view"): Rule(platform=("view_all_tenants",), project_perm="manage_api_keys"),
+    ("serving.tokenusage", "view"): Rule(
         platform=("view_all_usage",), project_perm="view_project_usage", tenant_perm="view_tenant_usage",
     ),
 }

@@ -19,12 +19,15 @@ from portal import audit
 from portal.services import deny, require_sudo
 from tenants import access
 from tenants.models import (
+    ExternalIdentity,
     PlatformRoleAssignment,
     Project,
     ProjectMembership,
     Tenant,
     TenantMembership,
     TenantState,
+    VendorGrant,
+    WorkOrder,
 )
 from tenants.roles import GRANTABLE_BY, PLATFORM_ROLES, PROJECT_ROLES, ROLES, TENANT_ROLES, group_name
 
@@ -277,3 +280,180 @@ def revoke_platform_role(actor, assignment: PlatformRoleAssignment, *, source: s
                      target_label=f"{assignment.user.get_username()} as {assignment.role}",
                      before={"role": assignment.role})
         assignment.delete()
+
+
+def change_tenant_member_role(actor, membership: TenantMembership, role: str) -> TenantMembership:
+    """Move a tenant member to another tenant role (one audit event, not a grant plus a revoke)."""
+    tenant = membership.tenant
+    if role not in TENANT_ROLES:
+        raise ValidationError({"role": f"{role!r} is not a tenant role"})
+    if not (access.has_platform_perm(actor, "manage_tenants") or access.can(actor, "manage_tenant_members", tenant)):
+        deny(actor, "membership.change", "not an admin of this tenant", target=tenant, tenant=tenant)
+    if not _may_grant(actor, role, tenant, None):
+        deny(actor, "membership.change", f"cannot grant {role}", target=tenant, tenant=tenant)
+    if role == membership.role:
+        return membership
+    if TenantMembership.objects.filter(user=membership.user, tenant=tenant, role=role).exists():
+        raise ValidationError({"role": f"{membership.user.get_username()} already holds {role} here"})
+    with transaction.atomic():
+        before = membership.role
+        membership.user.groups.remove(_tenant_group(tenant, before))
+        membership.role = role
+        membership.source = "local"
+        membership.save(update_fields=["role", "source"])
+        membership.user.groups.add(_tenant_group(tenant, role))
+        audit.record("membership.change", actor=actor, target=tenant, tenant=tenant,
+                     target_label=f"{membership.user.get_username()} of {tenant.slug}",
+                     before={"user": membership.user.get_username(), "role": before},
+                     after={"user": membership.user.get_username(), "role": role})
+    return membership
+
+
+def change_project_member_role(actor, membership: ProjectMembership, role: str) -> ProjectMembership:
+    project = membership.project
+    if role not in PROJECT_ROLES:
+        raise ValidationError({"role": f"{role!r} is not a project role"})
+    allowed = (
+        access.has_platform_perm(actor, "manage_tenants")
+        or access.can(actor, "manage_tenant_members", project.tenant)
+        or access.can(actor, "manage_project_members", project)
+    )
+    if not allowed:
+        deny(actor, "membership.change", "not an admin of this project", target=project, project=project)
+    if not _may_grant(actor, role, project.tenant, project):
+        deny(actor, "membership.change", f"cannot grant {role}", target=project, project=project)
+    if role == membership.role:
+        return membership
+    if ProjectMembership.objects.filter(user=membership.user, project=project, role=role).exists():
+        raise ValidationError({"role": f"{membership.user.get_username()} already holds {role} here"})
+    with transaction.atomic():
+        before = membership.role
+        membership.user.groups.remove(_project_group(project, before))
+        membership.role = role
+        membership.source = "local"
+        membership.save(update_fields=["role", "source"])
+        membership.user.groups.add(_project_group(project, role))
+        audit.record("membership.change", actor=actor, target=project, project=project,
+                     target_label=f"{membership.user.get_username()} of {project}",
+                     before={"user": membership.user.get_username(), "role": before},
+                     after={"user": membership.user.get_username(), "role": role})
+    return membership
+
+
+def find_user(identifier: str):
+    """The one account a person means by a username, an e-mail address or an OIDC subject.
+
+    Ambiguity is an error rather than a guess: adding the wrong person to a tenant is a leak.
+    """
+    identifier = identifier.strip()
+    if not identifier:
+        raise ValidationError({"who": "give a username, an e-mail address or an SSO subject"})
+    candidates = set(User.objects.filter(username=identifier).values_list("pk", flat=True))
+    if not candidates:
+        candidates = set(User.objects.filter(email__iexact=identifier).values_list("pk", flat=True))
+    if not candidates:
+        candidates = set(ExternalIdentity.objects.filter(subject=identifier).values_list("user_id", flat=True))
+    if not candidates:
+        raise ValidationError({"who": f"no account is known as {identifier!r}"})
+    if len(candidates) > 1:
+        raise ValidationError({"who": f"{identifier!r} names {len(candidates)} accounts; use the username"})
+    return User.objects.get(pk=candidates.pop())
+
+
+# --- vendor access ----------------------------------------------------------------------
+
+
+def _is_plain_vendor_account(user) -> bool:
+    return not (
+        user.tenant_memberships.exists() or user.project_memberships.exists() or user.platform_roles.exists()
+        or user.is_superuser or user.is_staff
+    )
+
+
+def open_work_order(actor, *, title: str, reason: str, nodes=(), accelerators=()) -> WorkOrder:
+    """Ops opens a work order naming the nodes and/or cards a vendor will need to touch."""
+    if not access.has_platform_perm(actor, "operate_inventory"):
+        deny(actor, "workorder.open", "only ops engineers open work orders", target_label=title[:300])
+    nodes, accelerators = list(nodes), list(accelerators)
+    if not nodes and not accelerators:
+        raise ValidationError({"nodes": "name at least one node or card the vendor works on"})
+    order = WorkOrder(title=title, reason=reason, opened_by=actor)
+    order.full_clean(exclude=["opened_by"])
+    with transaction.atomic():
+        order.save()
+        order.nodes.set(nodes)
+        order.accelerators.set(accelerators)
+        audit.record("workorder.open", actor=actor, target=order, reason=reason,
+                     after={"nodes": [n.name for n in nodes], "cards": [c.uuid for c in accelerators]})
+    return order
+
+
+def request_vendor_grant(actor, *, work_order: WorkOrder, vendor, starts, expires) -> VendorGrant:
+    """Ops asks for a vendor's time-limited access; it does nothing until someone else approves."""
+    if not access.has_platform_perm(actor, "operate_inventory"):
+        deny(actor, "vendor.grant.request", "only ops engineers request vendor access", target=work_order)
+    if work_order.closed is not None:
+        raise ValidationError({"work_order": "this work order is closed"})
+    if vendor.pk == actor.pk:
+        raise ValidationError({"vendor": "you cannot request vendor access for yourself"})
+    if not _is_plain_vendor_account(vendor):
+        # a vendor grant on an account with roles would mix vendor reach into a staff session
+        raise ValidationError({"vendor": f"{vendor.get_username()} holds roles; vendors use a separate account"})
+    if expires <= starts:
+        raise ValidationError({"expires": "access must end after it starts"})
+    if expires <= timezone.now():
+        raise ValidationError({"expires": "this grant would already have ended"})
+    grant = VendorGrant(vendor=vendor, work_order=work_order, requested_by=actor, starts=starts, expires=expires)
+    with transaction.atomic():
+        grant.save()
+        audit.record("vendor.grant.request", actor=actor, target=grant,
+                     target_label=f"{vendor.get_username()} on WO-{work_order.pk}",
+                     after={"vendor": vendor.get_username(), "work_order": work_order.pk,
+                            "starts": starts, "expires": expires})
+    return grant
+
+
+def approve_vendor_grant(actor, grant: VendorGrant) -> VendorGrant:
+    """A security admin other than the requester approves; needs a recent re-authentication."""
+    label = f"{grant.vendor.get_username()} on WO-{grant.work_order_id}"
+    if not access.has_platform_perm(actor, "approve_vendor_grants"):
+        deny(actor, "vendor.grant.approve", "only security admins approve vendor access", target=grant,
+             target_label=label)
+    if grant.requested_by_id == actor.pk:
+        deny(actor, "vendor.grant.approve", "the requester cannot approve their own request", target=grant,
+             target_label=label)
+    if grant.approved_by_id is not None:
+        raise ValidationError({"grant": "this grant is already approved"})
+    if grant.revoked is not None:
+        raise ValidationError({"grant": "this grant was revoked"})
+    if grant.expires <= timezone.now():
+        raise ValidationError({"grant": "this grant has already expired"})
+    require_sudo(actor, "vendor.grant.approve", target=grant, target_label=label)
+    with transaction.atomic():
+        grant = VendorGrant.objects.select_for_update().get(pk=grant.pk)
+        if grant.approved_by_id is not None or grant.revoked is not None:
+            raise ValidationError({"grant": "this grant changed meanwhile; reload"})
+        grant.approved_by = actor
+        grant.save(update_fields=["approved_by"])
+        audit.record("vendor.grant.approve", actor=actor, target=grant, target_label=label,
+                     after={"vendor": grant.vendor.get_username(), "work_order": grant.work_order_id,
+                            "starts": grant.starts, "expires": grant.expires})
+    return grant
+
+
+def revoke_vendor_grant(actor, grant: VendorGrant, *, reason: str = "") -> VendorGrant:
+    """Ops or security end a grant; the vendor's open sessions end at their next request."""
+    label = f"{grant.vendor.get_username()} on WO-{grant.work_order_id}"
+    if not (access.has_platform_perm(actor, "approve_vendor_grants")
+            or access.has_platform_perm(actor, "operate_inventory")):
+        deny(actor, "vendor.grant.revoke", "only ops or security revoke vendor access", target=grant,
+             target_label=label)
+    if grant.revoked is not None:
+        raise ValidationError({"grant": "this grant is already revoked"})
+    with transaction.atomic():
+        grant = VendorGrant.objects.select_for_update().get(pk=grant.pk)
+        grant.revoked = timezone.now()
+        grant.save(update_fields=["revoked"])
+        audit.record("vendor.grant.revoke", actor=actor, target=grant, target_label=label, reason=reason,
+                     before={"approved_by": grant.approved_by_id}, after={"revoked": grant.revoked})
+    return grant

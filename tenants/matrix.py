@@ -1,0 +1,51 @@
+"""Reading the page matrix (tenants/permission_matrix.yaml): which status each role gets from
+each URL. Shared by the cross-tenant matrix test and the permissions doc generator, so the
+two can never disagree about what the file says. It only reads; it never decides access.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+MATRIX_PATH = Path(__file__).resolve().parent / "permission_matrix.yaml"
+METHODS = ("get", "post")
+
+
+@lru_cache(maxsize=1)
+def load() -> dict:
+    with MATRIX_PATH.open() as fh:
+        return yaml.safe_load(fh)
+
+
+def roles() -> list[str]:
+    return list(load()["roles"])
+
+
+def urls() -> dict[str, dict]:
+    return load()["urls"]
+
+
+def expected(url_name: str, method: str, role: str) -> str | None:
+    """The expected status ("200", "login", ...) or None when the URL has no such method entry.
+
+    A post-only URL answers 405 to a GET from any signed-in role (the matrix need not say so).
+    """
+    spec = urls()[url_name]
+    matrix = load()
+    statuses = spec.get(method)
+    if statuses is None:
+        if method == "get" and spec.get("post_only"):
+            statuses = {"default": 405}
+        else:
+            return None
+    if role in statuses:
+        return str(statuses[role])
+    if role in matrix.get("defaults", {}):
+        return str(matrix["defaults"][role])
+    for group, members in matrix.get("groups", {}).items():
+        if group in statuses and role in members:
+            return str(statuses[group])
+    return str(statuses["default"])
