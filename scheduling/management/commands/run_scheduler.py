@@ -51,7 +51,13 @@ class Command(BaseCommand):
         while not stopping:
             try:
                 scheduling_jobs.enqueue_cycle()
-                enqueue_unique("scheduling", scheduling_jobs.tick_cluster, "atrium-cluster-tick")
+                if settings.ATRIUM_CLUSTER_BACKEND == "kubernetes":
+                    from scheduling.k8s_jobs import enqueue_kubernetes_work
+
+                    # sync, health and reconcile replace the simulated tick (never both)
+                    enqueue_kubernetes_work(inventory=rounds % 6 == 0)
+                else:
+                    enqueue_unique("scheduling", scheduling_jobs.tick_cluster, "atrium-cluster-tick")
                 if rounds % max(1, 300 // period) == 0:
                     enqueue_unique("metering", metering_jobs.accrue_usage, "atrium-accrue-usage")
                 if redis_down:
