@@ -17,12 +17,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-$(STAMP): requirements.txt | $(PY)
+$(STAMP): requirements.txt pyproject.toml | $(PY)
 	$(PIP) install --quiet -r requirements.txt
+	$(PIP) install --quiet --no-deps -e .
 	touch $@
 
-$(DEV_STAMP): requirements.txt requirements-dev.txt | $(PY)
+$(DEV_STAMP): requirements.txt requirements-dev.txt pyproject.toml | $(PY)
 	$(PIP) install --quiet -r requirements-dev.txt
+	$(PIP) install --quiet --no-deps -e .
 	touch $(STAMP) $@
 
 run: $(STAMP)
