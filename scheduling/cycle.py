@@ -13,7 +13,7 @@ import contextlib
 import datetime as dt
 import logging
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -21,6 +21,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from portal import audit, context
+from portal.models import AuditEvent
 from scheduling.engine import cycle as engine_cycle
 from scheduling.engine import quota as engine_quota
 from scheduling.engine.fleet import MILLI, Gpu, Placement, Request
@@ -120,10 +121,52 @@ def card_hours_this_month(now: dt.datetime) -> tuple[dict[int, float], dict[int,
     return per_tenant, per_project
 
 
+RECOVERY_ENDS = (BindingEnd.CARD_FAILED, BindingEnd.NODE_DOWN)
+
+
+def recovery_pools(queued: list[Job]) -> dict[int, str]:
+    """Recovery policy: a job requeued because its card or node failed is rescheduled only in
+    the pool it ran in (setting ATRIUM_RECOVERY_SAME_POOL, on by default), so a recovering
+    job never lands on hardware its owners did not plan for."""
+    if not getattr(settings, "ATRIUM_RECOVERY_SAME_POOL", True) or not queued:
+        return {}
+    last: dict[int, tuple] = {}
+    rows = (Binding.objects.filter(job__in=[j.pk for j in queued], end__isnull=False)
+            .order_by("job_id", "end", "id")
+            .values_list("job_id", "end_reason", "accelerator__node__pool__name"))
+    for job_id, end_reason, pool in rows:
+        last[job_id] = (end_reason, pool)
+    return {job_id: pool for job_id, (end_reason, pool) in last.items() if end_reason in RECOVERY_ENDS}
+
+
+def recently_down_nodes(now: dt.datetime) -> set[int]:
+    """Nodes that were down within ATRIUM_RECOVERY_HOLD_MINUTES (default 60) of `now`: back up
+    or not, they take no new work until the hold has passed, so a flapping node cannot take
+    the jobs it just lost. The node-state audit events are the record of when a node was down."""
+    minutes = getattr(settings, "ATRIUM_RECOVERY_HOLD_MINUTES", 60)
+    if not minutes:
+        return set()
+    rows = AuditEvent.objects.filter(
+        action="node.state", target_type="scheduling.node", after__state=NodeState.DOWN,
+        time__gt=now - dt.timedelta(minutes=minutes), time__lte=now,
+    ).values_list("target_id", flat=True)
+    return {int(pk) for pk in rows}
+
+
+def budget_blocked_projects(project_ids: set[int], now: dt.datetime) -> set[int]:
+    """Projects whose budget is spent, whose jobs wait with reason `budget`.
+
+    Budgets belong to metering and do not exist yet, so nobody is blocked; this is the one
+    place the cycle asks, for metering to answer once budgets exist.
+    """
+    return set()
+
+
 def build_snapshot(now: dt.datetime) -> tuple[Snapshot, dict]:
     """Read the fleet, quotas and jobs into the engine's snapshot (inside the cycle lock)."""
     nodes = list(Node.objects.filter(retired__isnull=True).select_related("pool"))
-    cards = list(Accelerator.objects.filter(retired__isnull=True).select_related("model"))
+    # a retired node's cards leave with it, retired or not themselves
+    cards = list(Accelerator.objects.filter(retired__isnull=True, node__retired__isnull=True).select_related("model"))
     cards_by_node: dict[int, list[Accelerator]] = defaultdict(list)
     for card in cards:
         cards_by_node[card.node_id].append(card)
@@ -183,15 +226,17 @@ def build_snapshot(now: dt.datetime) -> tuple[Snapshot, dict]:
         ))
 
     engine_nodes, fleet = [], []
+    held = recently_down_nodes(now)
     for node in nodes:
         node_cards = sorted(cards_by_node.get(node.pk, []), key=lambda c: c.index)
+        schedulable = node.state == NodeState.READY and node.pk not in held
         fleet.append(FleetNode(
             name=node.name, cpu_milli=node.cpu_milli, memory_mib=node.memory_mib, pool=node.pool.name,
-            schedulable=node.state == NodeState.READY,
+            schedulable=schedulable,
             cards=[FleetCard(c.index, c.model.name, c.health == Health.HEALTHY, c.nvlink_domain, c.mig_enabled,
                              str(c.pk)) for c in node_cards],
         ))
-        if node.state != NodeState.READY:
+        if not schedulable:
             continue
         gpus = [
             Gpu(index=c.index, model=c.model.name, free_milli=max(MILLI - used_milli[c.pk], 0),
@@ -227,17 +272,24 @@ def build_snapshot(now: dt.datetime) -> tuple[Snapshot, dict]:
         .select_related("spec", "priority_class", "tenant", "project")
         .prefetch_related("spec__accelerator_models", "spec__pools")
     )
+    recovery = recovery_pools(queued)
+    spent = budget_blocked_projects({j.project_id for j in queued}, now)
     pending = []
     for job in queued:
         tenants.setdefault(str(job.tenant_id), QuotaAccount(job.tenant.slug))
         projects.setdefault(str(job.project_id), QuotaAccount(job.project.slug))
         req = spec_request(job.spec)
+        if job.pk in recovery:
+            pool = recovery[job.pk]
+            if req.pools is None or pool in req.pools:
+                req = replace(req, pools=frozenset({pool}))
         pending.append(PendingJob(
             id=str(job.pk), tenant=str(job.tenant_id), project=str(job.project_id), request=req,
             priority=job.priority_class.value, priority_class=job.priority_class.name,
             preemptible=job.priority_class.preemptible, submitted=job.submitted.timestamp(),
             replicas=job.replicas, spec=job.spec.name,
             card_hours=job.expected_minutes / 60 * job.spec.card_fraction * job.replicas,
+            budget_blocked=job.project_id in spent,
         ))
     snapshot = Snapshot(
         nodes=engine_nodes, pending=pending, running=running, tenants=tenants, projects=projects,
@@ -284,17 +336,27 @@ def run_cycle(now: dt.datetime | None = None, policy: str | None = None) -> Cycl
             return outcome
         result = engine_cycle.run_cycle(snapshot, policy=policy or settings.ATRIUM_PLACEMENT_POLICY)
         outcome.duration_s = result.stats.duration_s
-        _apply_preemptions(result.preempted, now, outcome)
+        # Lock every row the decisions touch at once, in id order, before the first audit
+        # event takes the audit chain's lock: taking them one by one afterwards could deadlock
+        # with a cancel (row lock, then chain lock) running at the same time.
+        ids = sorted({int(p.victim_id) for p in result.preempted} | {int(a.job_id) for a in result.admitted})
+        locked = {j.pk: j for j in Job.objects.select_for_update(of=("self",)).filter(pk__in=ids)
+                  .select_related("project__tenant").order_by("pk")}
+        index["locked"] = locked
+        _apply_preemptions(result.preempted, index, now, outcome)
         _apply_admissions(result.admitted, index, now, outcome)
         _apply_waits(result.waiting, index, now)
         outcome.waiting = len(result.waiting)
     return outcome
 
 
-def _apply_preemptions(preemptions, now, outcome: CycleOutcome) -> None:
+def _apply_preemptions(preemptions, index, now, outcome: CycleOutcome) -> None:
     for p in preemptions:
-        victim = Job.objects.select_for_update().select_related("project").get(pk=int(p.victim_id))
-        if victim.state not in ACTIVE_STATES:
+        victim = index["locked"].get(int(p.victim_id))
+        by = index["locked"].get(int(p.by_job_id))
+        if by is None or by.state not in QUEUED_STATES:
+            continue  # the job it made room for was cancelled meanwhile: stop nobody for nothing
+        if victim is None or victim.state not in ACTIVE_STATES:
             continue
         Binding.objects.filter(job=victim, end__isnull=True).update(end=now, end_reason=BindingEnd.PREEMPTED)
         victim.state = JobState.PREEMPTED
@@ -314,8 +376,8 @@ def _apply_admissions(admissions, index, now, outcome: CycleOutcome) -> None:
     cards = index["cards"]
     new_bindings = []
     for adm in admissions:
-        job = Job.objects.select_for_update().select_related("project").get(pk=int(adm.job_id))
-        if job.state not in QUEUED_STATES:
+        job = index["locked"].get(int(adm.job_id))
+        if job is None or job.state not in QUEUED_STATES:
             continue  # cancelled while the cycle ran
         where = []
         for replica, rp in enumerate(adm.placements):

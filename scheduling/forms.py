@@ -7,8 +7,9 @@ from __future__ import annotations
 import shlex
 
 from django import forms
+from django.urls import reverse
 
-from scheduling import services
+from scheduling import queries, services
 from scheduling.models import Health, PriorityClass, ResourceSpec
 from tenants import access
 from tenants.models import Project
@@ -30,6 +31,8 @@ class JobForm(forms.Form):
     time_limit_minutes = forms.IntegerField(min_value=1, max_value=60 * 24 * 14, initial=24 * 60,
                                             label="Time limit (minutes)")
 
+    DEPENDENT = ("project", "spec", "replicas")  # a change re-renders the fields through htmx
+
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
         self.user = user
@@ -37,21 +40,43 @@ class JobForm(forms.Form):
             pk__in=access.project_ids(user, "submit_job"), archived__isnull=True, tenant__state="active"
         ).select_related("tenant")
         self.fields["project"].queryset = projects
-        self.fields["spec"].queryset = ResourceSpec.objects.filter(active=True)
-        project = self._chosen_project(projects)
-        if project is not None:
-            allowed = services.allowed_priority_classes(user, project)
-            self.fields["priority_class"].queryset = PriorityClass.objects.filter(pk__in=[p.pk for p in allowed])
+        project = self._chosen(projects, "project")
+        specs = services.allowed_specs(project)
+        self.fields["spec"].queryset = specs
+        # Every class validates here so that a class the project may not use reaches
+        # services.submit_job, which refuses it with an audit event; only the allowed ones
+        # are offered.
+        self.fields["priority_class"].queryset = PriorityClass.objects.all()
+        allowed = services.allowed_priority_classes(user, project) if project is not None else []
+        self.allowed_priority_pks = {p.pk for p in allowed}
+        self.fields["priority_class"].choices = [("", "Choose a priority class")] + [(p.pk, p.name) for p in allowed]
         self.project = project
+        self.spec = self._chosen(specs, "spec")
+        for name in self.DEPENDENT:
+            self.fields[name].widget.attrs.update({
+                "hx-post": reverse("scheduling:job_create"), "hx-target": "#job-form-fields",
+                "hx-swap": "outerHTML", "hx-include": "closest form", "hx-trigger": "change",
+            })
 
-    def _chosen_project(self, projects):
-        raw = self.data.get("project") if self.is_bound else self.initial.get("project")
+    def _raw(self, name):
+        return self.data.get(name) if self.is_bound else self.initial.get(name)
+
+    def _chosen(self, queryset, name):
+        raw = self._raw(name)
         if raw in (None, ""):
             return None
         try:
-            return projects.get(pk=int(getattr(raw, "pk", raw)))
-        except (Project.DoesNotExist, ValueError, TypeError):
+            return queryset.get(pk=int(getattr(raw, "pk", raw)))
+        except (queryset.model.DoesNotExist, ValueError, TypeError):
             return None
+
+    def quota_preview(self) -> list[dict]:
+        """What the job would use of each quota line and what would be left."""
+        try:
+            replicas = int(self._raw("replicas") or 1)
+        except (TypeError, ValueError):
+            replicas = 1
+        return queries.quota_preview(self.project, self.spec, replicas)
 
     def clean_command(self):
         try:

@@ -85,17 +85,21 @@ def job_create(request):
             except ValidationError as exc:
                 _form_errors_from(exc, form)
             except PermissionDenied as exc:
-                form.add_error(None, str(exc))
+                # the service refused (and audited it); name the field when it was the class
+                refused_class = data["priority_class"].pk not in form.allowed_priority_pks
+                form.add_error("priority_class" if refused_class else None, str(exc))
             else:
                 messages.success(request, f"Job {job.pk} submitted; it waits for the next scheduling cycle.")
                 return redirect("scheduling:job_detail", pk=job.pk)
-        return render(request, "scheduling/job_form.html", {"form": form}, status=400)
+        return render(request, "scheduling/job_form.html", {"form": form, "preview": form.quota_preview()},
+                      status=400)
     if request.htmx:
         # dependent fields: re-render the form for the chosen project (no errors shown yet)
         form = JobForm(initial=request.POST.dict() if request.method == "POST" else request.GET.dict(),
                        user=request.user)
-        return render(request, "scheduling/partials/job_form_fields.html", {"form": form})
-    return render(request, "scheduling/job_form.html", {"form": form})
+        return render(request, "scheduling/partials/job_form_fields.html",
+                      {"form": form, "preview": form.quota_preview()})
+    return render(request, "scheduling/job_form.html", {"form": form, "preview": form.quota_preview()})
 
 
 @login_required
@@ -121,7 +125,7 @@ def node_list(request):
         card_count=Count("accelerators"),
         unhealthy_count=Count("accelerators", filter=~Q(accelerators__health="healthy")),
     )
-    if not nodes.exists() and not access.has_platform_perm(request.user, "view_inventory"):
+    if not access.has_platform_perm(request.user, "view_inventory") and not nodes.exists():
         raise Http404
     filterset = NodeFilterSet(request.GET, queryset=nodes)
     table = NodeTable(filterset.qs)
@@ -134,12 +138,14 @@ def node_list(request):
 def node_detail(request, pk: int):
     node = access.get_visible_or_404(request.user, Node.objects.select_related("pool"), pk=pk)
     cards = access.visible_to(request.user, Accelerator.objects.filter(node=node)).select_related("model").prefetch_related(
-        Prefetch("bindings", queryset=Binding.objects.filter(end__isnull=True).select_related("project__tenant"),
+        Prefetch("bindings", queryset=Binding.objects.filter(end__isnull=True).select_related("project__tenant")
+                 .order_by("start", "id"),
                  to_attr="current")
     )
     show_occupants = access.has_platform_perm(request.user, "view_inventory")
     operate = access.has_platform_perm(request.user, "operate_inventory")
-    events = access.visible_to(request.user, "scheduling.HealthEvent").filter(accelerator__node=node)[:50]
+    events = access.visible_to(request.user, "scheduling.HealthEvent").filter(
+        accelerator__node=node).select_related("accelerator__node")[:50]
     return render(request, "scheduling/node_detail.html", {
         "node": node, "cards": cards, "show_occupants": show_occupants, "operate": operate,
         "events": events, "health_form": CardHealthForm(),

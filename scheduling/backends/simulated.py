@@ -25,14 +25,18 @@ class SimulatedCluster:
         now = now or timezone.now()
         started, finished = [], []
         with context.bound(actor_label="service:simulated-cluster"), transaction.atomic():
-            for job in Job.objects.select_for_update().filter(state=JobState.ADMITTED):
+            # rows locked in id order and only the job rows, as the cycle does, so a tick and a
+            # cycle (or a cancel) never wait on each other in a circle
+            for job in Job.objects.select_for_update(of=("self",)).filter(state=JobState.ADMITTED).order_by("pk"):
                 job.state = JobState.RUNNING
                 job.started = job.admitted or now
                 job.save(update_fields=["state", "started"])
                 JobEvent.objects.create(job=job, time=job.started, kind="running",
                                         message="Containers started on the simulated cluster.")
                 started.append(job.pk)
-            for job in Job.objects.select_for_update().filter(state=JobState.RUNNING).select_related("project"):
+            running = (Job.objects.select_for_update(of=("self",)).filter(state=JobState.RUNNING)
+                       .select_related("project__tenant").order_by("pk"))
+            for job in running:
                 run_for = min(job.expected_minutes, job.time_limit_minutes)
                 end = job.started + dt.timedelta(minutes=run_for)
                 if end > now:
