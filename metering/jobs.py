@@ -1,10 +1,33 @@
-"""RQ entry points of metering: small functions that call metering.services."""
+"""RQ entry points of metering: small functions that call metering.services.
+
+Every job recomputes from its source (bindings -> ledger -> rollups) and writes by upsert,
+so it can run twice or die half-way and the result is the same. Job ids are fixed per piece
+of work, so enqueueing from a restarted loop never piles up duplicates.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 
+import django_rq
 from django.utils import timezone
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+ACTIVE = ("queued", "started", "deferred", "scheduled")
+
+
+def _enqueue_unique(queue_name: str, func, job_id: str, *args, **kwargs) -> bool:
+    queue = django_rq.get_queue(queue_name)
+    existing = queue.fetch_job(job_id)
+    if existing is not None and existing.get_status(refresh=False) in ACTIVE:
+        return False
+    if existing is not None:
+        existing.delete()
+    queue.enqueue(func, job_id=job_id, result_ttl=300, failure_ttl=24 * 3600, args=args, kwargs=kwargs)
+    return True
 
 
 def accrue_usage(days_back: int = 2) -> int:
@@ -13,3 +36,68 @@ def accrue_usage(days_back: int = 2) -> int:
 
     now = timezone.now()
     return services.accrue(until=now, since=now - dt.timedelta(days=days_back))
+
+
+def rollup_usage(since: str | None = None, until: str | None = None, days_back: int = 2) -> dict:
+    """Accrue the ledger and recompute daily and monthly rollups of [since, until] (ISO dates)."""
+    from metering import services
+
+    today = timezone.now().date()
+    first = dt.date.fromisoformat(since) if since else today - dt.timedelta(days=days_back)
+    last = dt.date.fromisoformat(until) if until else today
+    return services.rollup(first, last)
+
+
+def close_month(month: str) -> dict:
+    """Monthly close: recompute every day of the month and its monthly rollup (ISO first day)."""
+    from metering import services
+
+    first = dt.date.fromisoformat(month)
+    return services.rollup(first, services.next_month(first) - dt.timedelta(days=1))
+
+
+def check_budgets() -> int:
+    from metering import services
+
+    return len(services.check_budgets())
+
+
+def build_report(report_id: int) -> int:
+    from metering import services
+
+    return services.build_report(report_id).lines
+
+
+def enqueue_report(report_id: int) -> bool:
+    """Queue a report build; when Redis is away the report stays queued and can be retried."""
+    try:
+        return _enqueue_unique("reports", build_report, f"atrium-report-{report_id}", report_id)
+    except RedisError as exc:
+        log.warning("report %s not enqueued (Redis unreachable: %s)", report_id, exc)
+        return False
+
+
+def enqueue_periodic(now: dt.datetime | None = None) -> list[str]:
+    """Enqueue the periodic metering work (idempotent: fixed job ids). Call every few minutes.
+
+    Rollups (with accrual) and budget checks every call; the monthly close of the previous
+    month once on the first day of a month.
+    """
+    from metering import services
+
+    now = now or timezone.now()
+    done = []
+    if _enqueue_unique("metering", rollup_usage, "atrium-metering-rollup"):
+        done.append("rollup")
+    if _enqueue_unique("metering", check_budgets, "atrium-metering-budgets"):
+        done.append("budgets")
+    today = now.astimezone(dt.UTC).date()
+    if today.day == 1:
+        previous = services.month_start(today - dt.timedelta(days=1))
+        queue = django_rq.get_queue("metering")
+        job_id = f"atrium-metering-close-{previous:%Y-%m}"
+        # one close per month: the finished job is kept a day, so later calls that day skip it
+        if queue.fetch_job(job_id) is None:
+            queue.enqueue(close_month, previous.isoformat(), job_id=job_id, result_ttl=2 * 24 * 3600)
+            done.append("close")
+    return done

@@ -27,6 +27,7 @@ class UsageRecord(models.Model):
         indexes = [
             models.Index(fields=["tenant", "hour"]),
             models.Index(fields=["project", "hour"]),
+            models.Index(fields=["hour"]),
         ]
 
     @property
@@ -51,3 +52,50 @@ class Price(models.Model):
 
     def __str__(self) -> str:
         return f"{self.accelerator_model} {self.per_card_hour}/card-hour from {self.effective_from:%Y-%m-%d}"
+
+
+class TokenUsage(models.Model):
+    """Tokens served by the gateway per (hour, API key, project, model service).
+
+    The gateway (serving app) writes these rows by upsert on the unique key; until serving
+    exists the key and service are plain identifiers, not foreign keys.
+    """
+
+    hour = models.DateTimeField(help_text="start of the UTC hour")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+")
+    project = models.ForeignKey("tenants.Project", on_delete=models.PROTECT, related_name="+")
+    api_key = models.CharField(max_length=64, blank=True, help_text="key prefix, never the secret")
+    model_service = models.CharField(max_length=120)
+    model_name = models.CharField(max_length=120, help_text="served model, the token price key")
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    requests = models.BigIntegerField(default=0)
+
+    class Meta:
+        default_permissions = ()
+        constraints = [
+            models.UniqueConstraint(fields=["hour", "api_key", "project", "model_service"], name="token_usage_key_hour"),
+        ]
+        indexes = [models.Index(fields=["project", "hour"]), models.Index(fields=["tenant", "hour"])]
+
+
+class TokenPrice(models.Model):
+    """Price per million input and output tokens of one served model, from a date on."""
+
+    model_name = models.CharField(max_length=120)
+    per_million_input = models.DecimalField(max_digits=10, decimal_places=4)
+    per_million_output = models.DecimalField(max_digits=10, decimal_places=4)
+    effective_from = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        default_permissions = ()
+        ordering = ["model_name", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["model_name", "effective_from"], name="token_price_once_per_date"),
+            models.CheckConstraint(
+                condition=models.Q(per_million_input__gte=0, per_million_output__gte=0), name="token_price_non_negative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model_name} {self.per_million_input}/{self.per_million_output} per M tokens"

@@ -1,0 +1,94 @@
+"""Budgets: one alarm per threshold crossing, block vs warn, and alarm idempotence."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.exceptions import PermissionDenied
+
+from metering import services
+from metering.models import Alarm, AlarmKind, AlarmSeverity, BudgetMode, BudgetUnit
+from metering.tests.conftest import t
+from portal.models import AuditEvent
+
+NOW = t(2025, 3, 20, 12)
+
+
+@pytest.mark.django_db
+def test_raising_an_alarm_twice_makes_one_and_resolving_then_raising_reopens_it():
+    kw = dict(kind=AlarmKind.CARD_QUARANTINED, severity=AlarmSeverity.CRITICAL, message="card 3 quarantined",
+              action="open a work order", dedupe_key="card:3:quarantined")
+    a = services.raise_alarm(**kw)
+    assert services.raise_alarm(**kw).pk == a.pk
+    assert Alarm.objects.count() == 1
+    assert services.resolve_alarm("card:3:quarantined") is True
+    assert services.resolve_alarm("card:3:quarantined") is False
+    again = services.raise_alarm(**kw)
+    assert again.pk == a.pk and again.resolved is None and Alarm.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_crossing_80_percent_raises_one_alarm_however_often_budgets_are_checked(org, bind, prices):
+    services.set_budget(org.admin, tenant=org.tenants["alpha"], unit=BudgetUnit.CARD_HOURS, amount=10)
+    bind("alpha", t(2025, 3, 3, 0), t(2025, 3, 3, 8, 30))  # 8.5 of 10 card-hours
+    services.accrue(until=NOW)
+    for _ in range(3):
+        services.check_budgets(NOW)
+    alarms = Alarm.objects.filter(kind=AlarmKind.BUDGET_THRESHOLD)
+    assert alarms.count() == 1
+    alarm = alarms.get()
+    assert alarm.tenant == org.tenants["alpha"] and alarm.severity == AlarmSeverity.WARNING
+    assert "85 %" in alarm.message
+    # next month starts at zero: last month's alarm is resolved, no new one
+    services.check_budgets(t(2025, 4, 2))
+    alarm.refresh_from_db()
+    assert alarm.resolved is not None and Alarm.objects.filter(resolved__isnull=True).count() == 0
+
+
+@pytest.mark.django_db
+def test_block_budget_at_100_percent_blocks_its_scope_and_warn_budget_does_not(org, bind, prices):
+    alpha, beta = org.projects["alpha"], org.projects["beta"]
+    services.set_budget(org.admin, tenant=alpha.tenant, project=alpha, unit=BudgetUnit.MONEY, amount=16,
+                        mode=BudgetMode.BLOCK)
+    services.set_budget(org.admin, tenant=beta.tenant, project=beta, unit=BudgetUnit.MONEY, amount=16,
+                        mode=BudgetMode.WARN)
+    for slug in ("alpha", "beta"):
+        bind(slug, t(2025, 3, 3, 0), t(2025, 3, 3, 7))  # 7 h x 2.00 = 14.00, 87.5 %
+    services.accrue(until=NOW)
+    assert services.blocked_scopes(NOW) == (set(), set())
+    for slug in ("alpha", "beta"):
+        bind(slug, t(2025, 3, 4, 0), t(2025, 3, 4, 1))  # 16.00 = 100 %
+    services.accrue(until=NOW)
+    assert services.blocked_scopes(NOW) == (set(), {alpha.pk})
+    assert services.budget_blocked_projects({alpha.pk, beta.pk}, NOW) == {alpha.pk}
+    services.check_budgets(NOW)
+    critical = Alarm.objects.get(project=alpha, severity=AlarmSeverity.CRITICAL)
+    assert "budget" in critical.action
+    assert Alarm.objects.filter(project=beta).count() == 2  # 80 % and 100 %, warn only
+    # a month is a month: on the 1st of April nothing is blocked any more
+    assert services.blocked_scopes(t(2025, 4, 1, 0, 1)) == (set(), set())
+
+
+@pytest.mark.django_db
+def test_tenant_block_budget_holds_every_project_of_the_tenant(org, bind, prices):
+    services.set_budget(org.admin, tenant=org.tenants["beta"], unit=BudgetUnit.CARD_HOURS, amount=1,
+                        mode=BudgetMode.BLOCK)
+    bind("beta", t(2025, 3, 3, 0), t(2025, 3, 3, 1))
+    services.accrue(until=NOW)
+    assert services.blocked_scopes(NOW) == ({org.tenants["beta"].pk}, set())
+    ids = {org.projects["alpha"].pk, org.projects["beta"].pk}
+    assert services.budget_blocked_projects(ids, NOW) == {org.projects["beta"].pk}
+
+
+@pytest.mark.django_db
+def test_budget_rights_tenant_admin_sets_project_budgets_of_own_tenant_only(org):
+    alpha_admin = org.people["alpha"]["admin"]
+    b = services.set_budget(alpha_admin, tenant=org.tenants["alpha"], project=org.projects["alpha"], amount=100)
+    assert AuditEvent.objects.filter(action="metering.budget.set", outcome="success").count() == 1
+    assert b.updated_by == alpha_admin
+    with pytest.raises(PermissionDenied):
+        services.set_budget(alpha_admin, tenant=org.tenants["alpha"], amount=100)  # the tenant line: platform only
+    with pytest.raises(PermissionDenied):
+        services.set_budget(alpha_admin, tenant=org.tenants["beta"], project=org.projects["beta"], amount=100)
+    with pytest.raises(PermissionDenied):
+        services.set_budget(org.people["alpha"]["user"], tenant=org.tenants["alpha"], project=org.projects["alpha"],
+                            amount=5)

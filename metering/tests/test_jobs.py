@@ -1,0 +1,42 @@
+"""Periodic metering work is enqueued idempotently (fixed job ids) and runs for real on RQ.
+
+django-rq enqueues after commit; the test transaction never commits, so the on-commit
+callbacks are run explicitly (as a committed request would run them)."""
+
+from __future__ import annotations
+
+import pytest
+from django.db.models import Sum
+
+from metering import jobs
+from metering.models import Alarm, UsageRecord
+from metering.tests.conftest import run_burst, t
+
+
+@pytest.mark.django_db
+def test_periodic_work_is_enqueued_once_and_the_month_close_once_per_month(
+        rq_queues, django_capture_on_commit_callbacks):
+    def periodic(now):
+        with django_capture_on_commit_callbacks(execute=True):
+            return jobs.enqueue_periodic(now)
+
+    assert periodic(t(2025, 3, 15, 10)) == ["rollup", "budgets"]
+    assert periodic(t(2025, 3, 15, 10, 5)) == []  # still queued: not twice
+    assert rq_queues[0].count == 2
+    assert periodic(t(2025, 4, 1, 0, 5)) == ["close"]
+    assert periodic(t(2025, 4, 1, 0, 10)) == []
+    assert rq_queues[0].fetch_job("atrium-metering-close-2025-03").args == ("2025-03-01",)
+
+
+@pytest.mark.django_db
+def test_rollup_and_budget_jobs_run_on_a_real_worker(org, bind, prices, rq_queues, django_capture_on_commit_callbacks):
+    from metering import services
+
+    bind("alpha", t(2025, 3, 3, 0), t(2025, 3, 3, 9))
+    services.set_budget(org.admin, tenant=org.tenants["alpha"], unit="card_hours", amount=1)
+    with django_capture_on_commit_callbacks(execute=True):
+        rq_queues[0].enqueue(jobs.rollup_usage, "2025-03-01", "2025-03-05")
+    run_burst(rq_queues)
+    assert UsageRecord.objects.aggregate(s=Sum("milli_card_seconds"))["s"] == 9 * 3_600_000
+    services.check_budgets(t(2025, 3, 10))
+    assert Alarm.objects.filter(tenant=org.tenants["alpha"]).count() == 2  # 80 % and 100 %, once each
