@@ -1,0 +1,440 @@
+"""The OpenAI-compatible gateway: /v1/models, /v1/chat/completions, /v1/completions,
+/v1/embeddings, /v1/applications/<slug>/chat and /v1/knowledge_bases/<id>/search.
+
+Every request: Bearer key -> serving.services.authenticate_key (fresh checks, no cache) ->
+the service or knowledge base looked up inside the key's tenant and project (another
+tenant's object answers 404, a known one outside the key's scope 403) -> monthly budget ->
+Redis rate limits (429 + Retry-After) -> proxy with connect/read timeouts and bounded
+retries -> meter the upstream's `usage` exactly once. Errors are JSON in OpenAI's shape;
+upstream failures become 502/504 without their internals, and are never billed. This view
+never trusts a tenant, project or id from the client and never logs a key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+
+import requests
+from django.conf import settings
+from django.db import DatabaseError
+from django.db.models import Q
+from django.http import JsonResponse, StreamingHttpResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+from redis.exceptions import RedisError
+from requests.adapters import HTTPAdapter
+
+from serving import ratelimit
+from serving import services as svc
+from serving.models import ApiKey, Application, ModelService, ServiceStatus, Visibility
+
+log = logging.getLogger("atrium.gateway")
+
+MAX_BODY = getattr(settings, "ATRIUM_GATEWAY_MAX_BODY_BYTES", 1024 * 1024)
+RETRIES = 2  # extra attempts after a connection failure or a 502/503 from the upstream
+BACKOFF = 0.05
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+
+    def response(self) -> JsonResponse:
+        return error_response(self.status, self.message, type_=self.type, code=self.code, param=self.param,
+                              headers=self.headers)
+
+
+def error_response(status: int, message: str, *, type_: str = "invalid_request_error", code: str | None = None,
+                   param: str | None = None, headers: dict | None = None) -> JsonResponse:
+    resp = JsonResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status=status)
+    for k, v in (headers or {}).items():
+        resp[k] = v
+    return resp
+
+
+def gateway_view(methods: tuple[str, ...]):
+    """csrf_exempt, method check, and the promise that nothing escapes as an HTML error page."""
+
+    def wrap(fn):
+        @csrf_exempt
+        def view(request, *args, **kwargs):
+            if request.method not in methods:
+                return error_response(405, f"Use {' or '.join(methods)} here.", headers={"Allow": ", ".join(methods)})
+            try:
+                return fn(request, *args, **kwargs)
+            except GatewayError as exc:
+                return exc.response()
+            except (DatabaseError, RedisError):
+                log.exception("gateway dependency unavailable (request %s)", getattr(request, "request_id", ""))
+                return error_response(503, "The gateway is temporarily unavailable; retry shortly.",
+                                      type_="server_error", code="service_unavailable", headers={"Retry-After": "5"})
+            except Exception:  # a bug: answer in the API's shape, with the id to find it in the log
+                log.exception("gateway error (request %s)", getattr(request, "request_id", ""))
+                return error_response(500, f"Internal gateway error (request {getattr(request, 'request_id', '')}).",
+                                      type_="server_error", code="internal_error")
+
+        view.__name__ = fn.__name__
+        view.__doc__ = fn.__doc__
+        return view
+
+    return wrap
+
+
+# --- request parsing and authorisation --------------------------------------------------
+
+
+def _authenticate(request) -> ApiKey:
+    header = request.META.get("HTTP_AUTHORIZATION", "")
+    if not header:
+        raise GatewayError(401, "No API key provided. Send 'Authorization: Bearer atr_...'.", code="invalid_api_key")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise GatewayError(401, "Malformed Authorization header; expected 'Bearer <key>'.", code="invalid_api_key")
+    try:
+        return svc.authenticate_key(token.strip())
+    except svc.KeyRejected as exc:
+        raise GatewayError(exc.status, str(exc), code=exc.code) from None
+
+
+def _json_body(request) -> dict:
+    if request.content_type != "application/json":
+        raise GatewayError(415, "Send the request body as application/json.", code="unsupported_media_type")
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise GatewayError(400, "Invalid Content-Length.") from None
+    if declared > MAX_BODY:
+        raise GatewayError(413, f"Request body too large (limit {MAX_BODY} bytes).", code="request_too_large")
+    raw = request.read(MAX_BODY + 1)
+    if len(raw) > MAX_BODY:
+        raise GatewayError(413, f"Request body too large (limit {MAX_BODY} bytes).", code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise GatewayError(400, "The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _reachable(key: ApiKey, service: ModelService) -> bool:
+    return (service.tenant_id == key.tenant_id and service.status == ServiceStatus.PUBLISHED
+            and (service.project_id == key.project_id or service.visibility == Visibility.TENANT))
+
+
+def _service(key: ApiKey, model) -> ModelService:
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "Say which model to call in 'model'.", param="model", code="missing_model")
+    # tenant from the key, in the query itself: another tenant's service of the same name is not found
+    service = ModelService.objects.filter(tenant_id=key.tenant_id, slug=model).first()
+    if service is None or not _reachable(key, service):
+        raise GatewayError(404, f"The model '{model[:80]}' does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")
+    _require_scope(key, service)
+    return service
+
+
+def _require_scope(key: ApiKey, service: ModelService) -> None:
+    if not key.services.filter(pk=service.pk).exists():
+        raise GatewayError(403, f"This API key is not allowed to call '{service.slug}'.", param="model",
+                           code="scope_denied", type_="permission_error")
+
+
+def _admit(key: ApiKey) -> list[ratelimit.Limit]:
+    """Monthly budget, then per-key and per-project rate limits. Returns the limits to add tokens to."""
+    limits = svc.limits_for(key.project)
+    if limits.monthly_token_budget is not None:
+        used = svc.tokens_this_month(key.project)
+        if used >= limits.monthly_token_budget:
+            svc.raise_budget_alarm(key, used, limits.monthly_token_budget)
+            now = timezone.now()
+            nxt = (svc.month_start(now) + timezone.timedelta(days=32)).replace(day=1)
+            raise GatewayError(
+                429, f"Project {key.project.slug} has used its monthly token budget ({used} of "
+                     f"{limits.monthly_token_budget} tokens). Ask a tenant admin to raise it.",
+                type_="insufficient_quota", code="budget_exceeded",
+                headers={"Retry-After": str(int((nxt - now).total_seconds()))},
+            )
+    checks = [
+        ratelimit.Limit("key", key.pk, key.requests_per_minute, key.tokens_per_minute),
+        ratelimit.Limit("project", key.project_id, limits.requests_per_minute, limits.tokens_per_minute),
+    ]
+    refusal = ratelimit.check(checks)
+    if refusal is not None:
+        raise GatewayError(429, refusal.message, type_="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(refusal.retry_after)})
+    return checks
+
+
+# --- upstream ---------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _session() -> requests.Session:
+    s = getattr(_local, "session", None)
+    if s is None:
+        s = requests.Session()
+        s.trust_env = False  # never route model traffic through a proxy from the environment
+        adapter = HTTPAdapter(pool_connections=8, pool_maxsize=64, max_retries=0)
+        s.mount("http://", adapter)
+        s.mount("https://", adapter)
+        _local.session = s
+    return s
+
+
+def _post(service: ModelService, path: str, body: dict, *, stream: bool = False) -> requests.Response:
+    url = service.upstream_url + path
+    timeout = (service.connect_timeout, service.read_timeout)
+    for attempt in range(RETRIES + 1):
+        last = attempt == RETRIES
+        try:
+            resp = _session().post(url, json=body, timeout=timeout, stream=stream)
+        except requests.ReadTimeout:
+            raise GatewayError(504, "The model server did not answer in time; the request was not billed.",
+                               type_="server_error", code="upstream_timeout") from None
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            if last:
+                log.warning("upstream %s unreachable: %s", service.slug, exc)
+                raise GatewayError(502, "The model server is unreachable; the request was not billed.",
+                                   type_="server_error", code="upstream_unavailable") from None
+            time.sleep(BACKOFF * (attempt + 1))
+            continue
+        if resp.status_code in (502, 503) and not last:
+            resp.close()
+            time.sleep(BACKOFF * (attempt + 1))
+            continue
+        return resp
+    raise AssertionError("unreachable")
+
+
+def _upstream_failure(service: ModelService, resp: requests.Response) -> GatewayError:
+    status = resp.status_code
+    resp.close()
+    log.warning("upstream %s answered %s", service.slug, status)
+    if status == 429:
+        return GatewayError(503, "The model server is overloaded; retry shortly. The request was not billed.",
+                            type_="server_error", code="upstream_overloaded", headers={"Retry-After": "2"})
+    if 400 <= status < 500:
+        return GatewayError(400 if status not in (404, 413, 422) else status,
+                            f"The model server rejected the request (HTTP {status}); it was not billed.",
+                            code="upstream_rejected")
+    return GatewayError(502, "The model server failed; the request was not billed.", type_="server_error",
+                        code="upstream_error")
+
+
+def _usage_counts(usage, endpoint: str) -> tuple[int | None, int | None]:
+    if not isinstance(usage, dict):
+        return None, None
+    p = usage.get("prompt_tokens")
+    c = usage.get("completion_tokens", 0 if endpoint == "embeddings" else None)
+    if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (p, c)):
+        return p, c
+    return None, None
+
+
+def _meter(request, key, service, endpoint, uid, usage, checks, application=None, note="") -> None:
+    inp, out = _usage_counts(usage, endpoint)
+    svc.record_usage(uid=uid, key=key, service=service, endpoint=endpoint, input_tokens=inp, output_tokens=out,
+                     application=application, note=note if inp is not None else (note or "no usage reported"),
+                     request_id=getattr(request, "request_id", ""))
+    if inp is not None:
+        try:
+            ratelimit.add_tokens(checks, inp + out)
+        except RedisError:
+            log.warning("tokens of request %s not added to the rate-limit window (Redis unavailable)", uid)
+
+
+def _proxy(request, key: ApiKey, service: ModelService, body: dict, endpoint: str, path: str, *,
+           application: Application | None = None, extra: dict | None = None):
+    checks = _admit(key)
+    uid = uuid.uuid4()  # the gateway's own id: the client cannot make two requests count as one
+    body = dict(body)
+    body["model"] = service.model_name_upstream
+    if body.get("stream") and endpoint != "embeddings":
+        return _proxy_stream(request, key, service, body, endpoint, path, uid, checks, application)
+    if endpoint == "embeddings":
+        body.pop("stream", None)
+    resp = _post(service, path, body)
+    if resp.status_code != 200:
+        raise _upstream_failure(service, resp)
+    try:
+        payload = resp.json()
+    except ValueError:
+        raise GatewayError(502, "The model server sent an invalid answer; the request was not billed.",
+                           type_="server_error", code="upstream_invalid") from None
+    if not isinstance(payload, dict):
+        raise GatewayError(502, "The model server sent an invalid answer; the request was not billed.",
+                           type_="server_error", code="upstream_invalid")
+    _meter(request, key, service, endpoint, uid, payload.get("usage"), checks, application)
+    payload["model"] = service.slug
+    if extra:
+        payload["atrium"] = extra
+    return JsonResponse(payload)
+
+
+def _proxy_stream(request, key, service, body, endpoint, path, uid, checks, application):
+    wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    resp = _post(service, path, body, stream=True)
+    if resp.status_code != 200:
+        raise _upstream_failure(service, resp)
+
+    def events():
+        usage = None
+        note = ""
+        buffer = b""
+        try:
+            for piece in resp.iter_content(chunk_size=None):
+                buffer += piece
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    out = _rewrite_event(event, service.slug, wants_usage)
+                    if out is not None and out[1] is not None:
+                        usage = out[1]
+                    if out is not None and out[0] is not None:
+                        yield out[0] + b"\n\n"
+        except requests.RequestException as exc:
+            note = "upstream stream interrupted"
+            log.warning("stream of request %s from %s interrupted: %s", uid, service.slug, type(exc).__name__)
+            err = {"error": {"message": "The model server stream was interrupted.", "type": "server_error",
+                             "param": None, "code": "upstream_interrupted"}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            resp.close()
+            if usage is None and not note:
+                note = "stream ended without usage (client went away or upstream did not report)"
+            _meter(request, key, service, endpoint, uid, usage, checks, application, note=note)
+
+    out = StreamingHttpResponse(events(), content_type="text/event-stream")
+    out["Cache-Control"] = "no-cache"
+    out["X-Accel-Buffering"] = "no"
+    return out
+
+
+def _rewrite_event(event: bytes, slug: str, wants_usage: bool) -> tuple[bytes | None, dict | None] | None:
+    """(bytes to forward or None, usage reported in it or None)."""
+    line = event.strip()
+    if not line.startswith(b"data:"):
+        return (event, None) if line else None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return b"data: [DONE]", None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+    if usage is not None and not obj.get("choices") and not wants_usage:
+        return None, usage  # the client did not ask for the usage chunk: keep it for metering only
+    if "model" in obj:
+        obj["model"] = slug
+    return b"data: " + json.dumps(obj).encode(), usage
+
+
+# --- endpoints --------------------------------------------------------------------------
+
+
+@gateway_view(("GET",))
+def models(request):
+    key = _authenticate(request)
+    services = (key.services.filter(tenant_id=key.tenant_id, status=ServiceStatus.PUBLISHED)
+                .filter(Q(project_id=key.project_id) | Q(visibility=Visibility.TENANT)).order_by("slug"))
+    data = [{"id": s.slug, "object": "model", "created": int((s.published or s.created).timestamp()),
+             "owned_by": key.project.tenant.slug} for s in services]
+    return JsonResponse({"object": "list", "data": data})
+
+
+@gateway_view(("POST",))
+def chat_completions(request):
+    key = _authenticate(request)
+    body = _json_body(request)
+    service = _service(key, body.get("model"))
+    if not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise GatewayError(400, "'messages' must be a non-empty list.", param="messages")
+    return _proxy(request, key, service, body, "chat", "/chat/completions")
+
+
+@gateway_view(("POST",))
+def completions(request):
+    key = _authenticate(request)
+    body = _json_body(request)
+    service = _service(key, body.get("model"))
+    if not isinstance(body.get("prompt"), (str, list)):
+        raise GatewayError(400, "'prompt' must be a string or a list of strings.", param="prompt")
+    return _proxy(request, key, service, body, "completions", "/completions")
+
+
+@gateway_view(("POST",))
+def embeddings(request):
+    key = _authenticate(request)
+    body = _json_body(request)
+    service = _service(key, body.get("model"))
+    if not isinstance(body.get("input"), (str, list)):
+        raise GatewayError(400, "'input' must be a string or a list.", param="input")
+    return _proxy(request, key, service, body, "embeddings", "/embeddings")
+
+
+def _key_kbs(key: ApiKey):
+    """Knowledge bases this key may read: shared with its project AND in its scope, its tenant only."""
+    return svc.kbs_for_project(key.project).filter(
+        pk__in=key.knowledge_bases.through.objects.filter(apikey_id=key.pk).values("knowledgebase_id"))
+
+
+@gateway_view(("POST",))
+def application_chat(request, slug: str):
+    key = _authenticate(request)
+    body = _json_body(request)
+    app = Application.objects.select_related("service").filter(project_id=key.project_id, slug=slug).first()
+    if app is None:
+        raise GatewayError(404, f"No application '{slug[:80]}' in this key's project.", code="application_not_found")
+    service = app.service
+    if not _reachable(key, service):
+        raise GatewayError(404, "The application's model service is not available.", code="model_not_found")
+    _require_scope(key, service)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise GatewayError(400, "'messages' must be a non-empty list of message objects.", param="messages")
+    question = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
+    kb_ids = list(_key_kbs(key).filter(pk__in=app.knowledge_bases.values("pk")).values_list("pk", flat=True))
+    hits = svc.search_chunks(tenant_id=key.tenant_id, kb_ids=kb_ids,
+                             query=question if isinstance(question, str) else "", top_k=app.top_k)
+    context = "\n---\n".join(h.text for h in hits)
+    system = app.system_prompt + ("\n\nAnswer from this context:\n" + context if context else "")
+    upstream_body = {k: v for k, v in body.items() if k not in ("messages", "model")}
+    upstream_body["messages"] = ([{"role": "system", "content": system}] if system else []) + messages
+    sources = [{"knowledge_base": h.knowledge_base, "document": h.document, "chunk": h.chunk_id,
+                "score": round(h.score, 4)} for h in hits]
+    return _proxy(request, key, service, upstream_body, "application", "/chat/completions", application=app,
+                  extra={"application": app.slug, "sources": sources})
+
+
+@gateway_view(("POST",))
+def kb_search(request, kb_id: int):
+    key = _authenticate(request)
+    body = _json_body(request)
+    kb = svc.kbs_for_project(key.project).filter(pk=kb_id).first()
+    if kb is None:
+        raise GatewayError(404, "No such knowledge base.", code="knowledge_base_not_found")
+    if not key.knowledge_bases.filter(pk=kb.pk).exists():
+        raise GatewayError(403, "This API key may not read this knowledge base.", type_="permission_error",
+                           code="scope_denied")
+    query = body.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise GatewayError(400, "'query' must be a non-empty string.", param="query")
+    top_k = body.get("top_k", 5)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 20:
+        raise GatewayError(400, "'top_k' must be an integer from 1 to 20.", param="top_k")
+    _admit(key)
+    hits = svc.search_chunks(tenant_id=key.tenant_id, kb_ids=[kb.pk], query=query, top_k=top_k)
+    return JsonResponse({"object": "list", "knowledge_base": kb.slug, "data": [
+        {"chunk": h.chunk_id, "document": h.document, "text": h.text, "score": round(h.score, 4)} for h in hits]})

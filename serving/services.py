@@ -1,0 +1,591 @@
+"""Domain operations of serving: services, knowledge bases, applications, API keys, metering.
+
+The only place that changes serving state. Each function takes the acting user, checks the
+permission through tenants.access, changes state in one transaction and writes exactly one
+audit event for sensitive actions. Reach is always computed on the server from the acting
+user or key: a knowledge-base or service id a client sends is only ever looked up inside
+that reach, and every chunk query filters by the caller's tenant column first. This module
+never stores or logs an API key's secret, and never guesses token counts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.contrib.postgres.search import SearchQuery, SearchRank, SearchVector
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F, Q, QuerySet, Sum
+from django.utils import timezone
+
+from portal import audit
+from portal.services import deny
+from scheduling import services as scheduling
+from serving import keys as keymat
+from serving.models import (
+    ApiKey,
+    Application,
+    Chunk,
+    Document,
+    GatewayRequest,
+    KnowledgeBase,
+    ModelService,
+    ServiceStatus,
+    ServingAlarm,
+    ServingLimits,
+    TokenUsage,
+    Visibility,
+)
+from tenants import access
+from tenants.models import Project, Tenant, TenantState
+
+log = logging.getLogger("atrium.serving")
+
+USE_PERM = "use_model_services"  # call and browse services / KBs of a project
+KEY_PERM = "manage_api_keys"
+PUBLISH_PERM = "manage_project_members"  # publishing/retiring is a project admin's call (or the tenant admin's)
+KB_ADMIN_PERM = "manage_tenant_projects"  # tenant perm: create and share knowledge bases
+SERVICE_JOB_MINUTES = 30 * 24 * 60  # a service is long-lived: the scheduler sees a 30-day job
+MAX_DOCUMENT_BYTES = 5 * 1024 * 1024
+CHUNK_WORDS = 160
+CHUNK_OVERLAP = 30
+
+
+# --- reach ------------------------------------------------------------------------------
+
+
+def services_for_user(user) -> QuerySet:
+    """Services a person may see: by the visibility rule, plus published tenant-wide services of
+    tenants in which they use model services in some project."""
+    use_projects = access.project_ids(user, USE_PERM)
+    tenant_wide = Q(visibility=Visibility.TENANT, status=ServiceStatus.PUBLISHED,
+                    tenant__in=Project.objects.filter(pk__in=use_projects).values("tenant"))
+    return ModelService.objects.filter(
+        Q(pk__in=access.visible_to(user, ModelService).values("pk")) | tenant_wide
+    )
+
+
+def services_for_project(project: Project) -> QuerySet:
+    """Services a project (and so its keys and apps) may use: its own, and its tenant's shared ones."""
+    return ModelService.objects.filter(tenant_id=project.tenant_id).filter(
+        Q(project_id=project.pk) | Q(visibility=Visibility.TENANT)
+    )
+
+
+def kbs_for_project(project: Project) -> QuerySet:
+    through = KnowledgeBase.projects.through
+    return KnowledgeBase.objects.filter(tenant_id=project.tenant_id).filter(
+        Q(all_projects=True) | Q(pk__in=through.objects.filter(project_id=project.pk).values("knowledgebase_id"))
+    )
+
+
+def kbs_for_user(user) -> QuerySet:
+    """Knowledge bases a person may read: the tenant admins' (visibility rule) and those shared
+    with a project where the person uses model services."""
+    use_projects = access.project_ids(user, USE_PERM)
+    through = KnowledgeBase.projects.through
+    return KnowledgeBase.objects.filter(
+        Q(pk__in=access.visible_to(user, KnowledgeBase).values("pk"))
+        | Q(all_projects=True, tenant__in=Project.objects.filter(pk__in=use_projects).values("tenant"))
+        | Q(pk__in=through.objects.filter(project_id__in=use_projects).values("knowledgebase_id"))
+    )
+
+
+def _require_project(actor, perm: str, project: Project, action: str, what: str) -> None:
+    if not access.can(actor, perm, project):
+        if project.pk in access.project_ids(actor, "view_project"):
+            deny(actor, action, f"you may not {what} in this project", target=project, project=project)
+        deny(actor, action, "project not in reach", target_label=str(project.pk))
+    if not project.is_active:
+        raise ValidationError({"project": "this project is archived or its tenant suspended"})
+
+
+# --- model services ---------------------------------------------------------------------
+
+
+def create_model_service(actor, *, project: Project, slug: str, name: str, base_model: str, spec, priority_class,
+                         upstream_url: str, replicas: int = 1, model_version: str = "", upstream_model: str = "",
+                         visibility: str = Visibility.PROJECT, image: str = "vllm/vllm-openai:latest") -> ModelService:
+    _require_project(actor, USE_PERM, project, "service.create", "create model services")
+    if visibility not in Visibility.values:
+        raise ValidationError({"visibility": "choose project or tenant"})
+    service = ModelService(
+        tenant=project.tenant, project=project, slug=slug, name=name, base_model=base_model, spec=spec,
+        priority_class=priority_class, replicas=replicas, model_version=model_version, image=image,
+        upstream_url=upstream_url.rstrip("/"), upstream_model=upstream_model, visibility=visibility, created_by=actor,
+    )
+    service.full_clean()
+    with transaction.atomic():
+        service.save()
+        audit.record("service.create", actor=actor, target=service, project=project,
+                     after={"slug": slug, "base_model": base_model, "visibility": visibility})
+    return service
+
+
+def publish_service(actor, service: ModelService) -> ModelService:
+    """Draft -> published: submits the long-lived scheduling job (kind service) and opens the gateway."""
+    _require_project(actor, PUBLISH_PERM, service.project, "service.publish", "publish model services")
+    with transaction.atomic():
+        service = ModelService.objects.select_for_update().get(pk=service.pk)
+        if service.status != ServiceStatus.DRAFT:
+            raise ValidationError({"status": f"only a draft can be published; this service is {service.status}"})
+        job = scheduling.submit_job(
+            actor, project=service.project, spec=service.spec, priority_class=service.priority_class,
+            name=f"service {service.slug}", image=service.image,
+            command=["serve", service.base_model, "--served-model-name", service.model_name_upstream],
+            replicas=service.replicas, time_limit_minutes=SERVICE_JOB_MINUTES, expected_minutes=SERVICE_JOB_MINUTES,
+            kind="service",
+        )
+        service.job = job
+        service.status = ServiceStatus.PUBLISHED
+        service.published = timezone.now()
+        service.save(update_fields=["job", "status", "published"])
+        audit.record("service.publish", actor=actor, target=service, project=service.project,
+                     before={"status": ServiceStatus.DRAFT}, after={"status": service.status, "job": job.pk,
+                                                                     "visibility": service.visibility})
+    return service
+
+
+def retire_service(actor, service: ModelService, *, reason: str = "") -> ModelService:
+    _require_project(actor, PUBLISH_PERM, service.project, "service.retire", "retire model services")
+    with transaction.atomic():
+        service = ModelService.objects.select_for_update().get(pk=service.pk)
+        if service.status == ServiceStatus.RETIRED:
+            raise ValidationError({"status": "this service is already retired"})
+        before = service.status
+        if service.job_id and not service.job.is_final:
+            scheduling.cancel_job(actor, service.job, reason=f"model service {service.slug} retired")
+        service.status = ServiceStatus.RETIRED
+        service.retired = timezone.now()
+        service.save(update_fields=["status", "retired"])
+        audit.record("service.retire", actor=actor, target=service, project=service.project, reason=reason,
+                     before={"status": before}, after={"status": service.status})
+    return service
+
+
+# --- knowledge bases --------------------------------------------------------------------
+
+
+def _check_share(tenant: Tenant, projects) -> list[Project]:
+    projects = list(projects)
+    if any(p.tenant_id != tenant.pk for p in projects):
+        raise ValidationError({"projects": "a knowledge base is shared only with projects of its own tenant"})
+    return projects
+
+
+def create_knowledge_base(actor, *, tenant: Tenant, slug: str, name: str, description: str = "",
+                          all_projects: bool = False, projects=()) -> KnowledgeBase:
+    if not access.can(actor, KB_ADMIN_PERM, tenant):
+        deny(actor, "kb.create", "only the tenant's admins create knowledge bases", target=tenant, tenant=tenant)
+    projects = _check_share(tenant, projects)
+    kb = KnowledgeBase(tenant=tenant, slug=slug, name=name, description=description, all_projects=all_projects,
+                       created_by=actor)
+    kb.full_clean()
+    with transaction.atomic():
+        kb.save()
+        kb.projects.set(projects)
+        audit.record("kb.create", actor=actor, target=kb, tenant=tenant,
+                     after={"slug": slug, "all_projects": all_projects, "projects": [p.slug for p in projects]})
+    return kb
+
+
+def share_knowledge_base(actor, kb: KnowledgeBase, *, all_projects: bool, projects=()) -> KnowledgeBase:
+    if not access.can(actor, KB_ADMIN_PERM, kb.tenant):
+        deny(actor, "kb.share", "only the tenant's admins share knowledge bases", target=kb, tenant=kb.tenant)
+    projects = _check_share(kb.tenant, projects)
+    with transaction.atomic():
+        before = {"all_projects": kb.all_projects, "projects": sorted(p.slug for p in kb.projects.all())}
+        kb.all_projects = all_projects
+        kb.save(update_fields=["all_projects"])
+        kb.projects.set(projects)
+        audit.record("kb.share", actor=actor, target=kb, tenant=kb.tenant, before=before,
+                     after={"all_projects": all_projects, "projects": sorted(p.slug for p in projects)})
+    return kb
+
+
+def may_upload(user, kb: KnowledgeBase) -> bool:
+    if access.can(user, KB_ADMIN_PERM, kb.tenant):
+        return True
+    return kbs_for_user(user).filter(pk=kb.pk).exists()
+
+
+def extract_text(filename: str, content_type: str, data: bytes) -> str:
+    """Plain text, Markdown or PDF text. Binary data that is not PDF is refused, not indexed."""
+    if data[:5] == b"%PDF-" or filename.lower().endswith(".pdf") or content_type == "application/pdf":
+        try:
+            import io
+
+            import pypdf
+        except ImportError:
+            raise ValidationError({"file": "PDF text extraction is not installed on this server (pypdf); "
+                                           "upload text or Markdown"}) from None
+        try:
+            reader = pypdf.PdfReader(io.BytesIO(data))
+            return "\n\n".join((page.extract_text() or "") for page in reader.pages)
+        except Exception as exc:  # pypdf raises many kinds for a broken file
+            raise ValidationError({"file": f"this PDF cannot be read ({type(exc).__name__})"}) from None
+    if b"\x00" in data:
+        raise ValidationError({"file": "this looks like a binary file; upload text, Markdown or PDF"})
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
+
+
+def chunk_text(text: str, *, words: int = CHUNK_WORDS, overlap: int = CHUNK_OVERLAP) -> list[str]:
+    """Windows of at most `words` words, the last `overlap` words repeated in the next window;
+    a paragraph that fits in a fresh window starts one instead of being split."""
+    paragraphs = [p.split() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    overlap = min(overlap, words // 2)
+    chunks: list[str] = []
+    current: list[str] = []
+    fresh = 0  # words in `current` not yet part of an emitted chunk
+    for para in paragraphs:
+        if fresh and len(current) + len(para) > words and len(para) <= words - overlap:
+            chunks.append(" ".join(current))
+            current, fresh = current[len(current) - overlap:] if overlap else [], 0
+        for word in para:
+            current.append(word)
+            fresh += 1
+            if len(current) >= words:
+                chunks.append(" ".join(current))
+                current, fresh = current[len(current) - overlap:] if overlap else [], 0
+    if fresh:
+        chunks.append(" ".join(current))
+    return chunks
+
+
+def upload_document(actor, kb: KnowledgeBase, *, filename: str, content_type: str, data: bytes) -> Document:
+    if not may_upload(actor, kb):
+        deny(actor, "kb.document.upload", "knowledge base not in reach", target_label=str(kb.pk))
+    if kb.tenant.state != TenantState.ACTIVE:
+        raise ValidationError({"file": "the tenant is suspended"})
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise ValidationError({"file": f"files are limited to {MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB"})
+    if not data:
+        raise ValidationError({"file": "the file is empty"})
+    text = extract_text(filename, content_type, data)
+    pieces = chunk_text(text)
+    if not pieces:
+        raise ValidationError({"file": "no text found in this file"})
+    with transaction.atomic():
+        doc = Document.objects.create(
+            tenant_id=kb.tenant_id, knowledge_base=kb, title=filename[:200] or "untitled",
+            content_type=content_type[:60], size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+            chunk_count=len(pieces), uploaded_by=actor,
+        )
+        Chunk.objects.bulk_create([
+            Chunk(tenant_id=kb.tenant_id, knowledge_base=kb, document=doc, ordinal=i, text=piece)
+            for i, piece in enumerate(pieces)
+        ])
+        if connection.vendor == "postgresql":
+            Chunk.objects.filter(document=doc).update(search_vector=SearchVector("text", config="english"))
+        audit.record("kb.document.upload", actor=actor, target=doc, tenant=kb.tenant,
+                     after={"kb": kb.slug, "size": len(data), "chunks": len(pieces), "sha256": doc.sha256})
+    return doc
+
+
+@dataclass(frozen=True)
+class Hit:
+    chunk_id: int
+    knowledge_base: str
+    document: str
+    text: str
+    score: float
+
+
+_WORD = re.compile(r"[\w-]+", re.UNICODE)
+
+
+def search_chunks(*, tenant_id: int, kb_ids, query: str, top_k: int = 5) -> list[Hit]:
+    """Ranked chunks of the given knowledge bases of ONE tenant. Callers pass the tenant from
+    the key or session, never from the client; the tenant column is filtered in the query."""
+    words = [w for w in _WORD.findall(query.lower()) if len(w) > 1][:32]
+    kb_ids = list(kb_ids)
+    if not words or not kb_ids:
+        return []
+    top_k = max(1, min(int(top_k), 20))
+    qs = Chunk.objects.filter(tenant_id=tenant_id, knowledge_base_id__in=kb_ids,
+                              knowledge_base__tenant_id=tenant_id).select_related("document", "knowledge_base")
+    if connection.vendor == "postgresql":
+        # OR of the terms: a question matches chunks holding any of its words, ranked by how well.
+        sq = SearchQuery(" or ".join(words), config="english", search_type="websearch")
+        rows = qs.filter(search_vector=sq).annotate(score=SearchRank(F("search_vector"), sq)).order_by("-score", "pk")
+    else:  # SQLite demo: a plain containment match, still tenant-filtered
+        cond = Q()
+        for w in words:
+            cond |= Q(text__icontains=w)
+        rows = qs.filter(cond).order_by("pk")
+    return [
+        Hit(c.pk, c.knowledge_base.slug, c.document.title, c.text, float(getattr(c, "score", 1.0)))
+        for c in rows[:top_k]
+    ]
+
+
+def search_for_user(user, kb: KnowledgeBase, query: str, top_k: int = 5) -> list[Hit]:
+    # Re-resolve inside the user's reach: the kb object may come from anywhere.
+    kb = kbs_for_user(user).filter(pk=kb.pk).first()
+    if kb is None:
+        return []
+    return search_chunks(tenant_id=kb.tenant_id, kb_ids=[kb.pk], query=query, top_k=top_k)
+
+
+# --- applications -----------------------------------------------------------------------
+
+
+def create_application(actor, *, project: Project, slug: str, name: str, service: ModelService,
+                       knowledge_bases=(), system_prompt: str = "", top_k: int = 4) -> Application:
+    _require_project(actor, USE_PERM, project, "application.create", "create applications")
+    if not services_for_project(project).filter(pk=service.pk).exists():
+        raise ValidationError({"service": "this model service is not available to the project"})
+    kbs = list(knowledge_bases)
+    allowed = set(kbs_for_project(project).values_list("pk", flat=True))
+    if any(kb.pk not in allowed for kb in kbs):
+        raise ValidationError({"knowledge_bases": "a knowledge base is not shared with this project"})
+    app = Application(tenant=project.tenant, project=project, slug=slug, name=name, service=service,
+                      system_prompt=system_prompt, top_k=top_k, created_by=actor)
+    app.full_clean()
+    with transaction.atomic():
+        app.save()
+        app.knowledge_bases.set(kbs)
+        audit.record("application.create", actor=actor, target=app, project=project,
+                     after={"service": service.slug, "knowledge_bases": [kb.slug for kb in kbs]})
+    return app
+
+
+# --- API keys ---------------------------------------------------------------------------
+
+
+def _check_scope(project: Project, services, kbs) -> tuple[list, list]:
+    services, kbs = list(services), list(kbs)
+    ok_services = set(services_for_project(project).values_list("pk", flat=True))
+    if any(s.pk not in ok_services for s in services):
+        raise ValidationError({"services": "a service is not available to this project"})
+    ok_kbs = set(kbs_for_project(project).values_list("pk", flat=True))
+    if any(kb.pk not in ok_kbs for kb in kbs):
+        raise ValidationError({"knowledge_bases": "a knowledge base is not shared with this project"})
+    return services, kbs
+
+
+def _new_key(actor, project, name, services, kbs, expires, rpm, tpm) -> tuple[ApiKey, str]:
+    secret = keymat.generate()
+    key = ApiKey(tenant_id=project.tenant_id, project=project, name=name, prefix=secret[: keymat.SHOWN_PREFIX_LEN],
+                 digest=keymat.digest(secret), created_by=actor, expires=expires, requests_per_minute=rpm,
+                 tokens_per_minute=tpm)
+    key.full_clean()
+    key.save()
+    key.services.set(services)
+    key.knowledge_bases.set(kbs)
+    return key, secret
+
+
+def create_api_key(actor, *, project: Project, name: str, services=(), knowledge_bases=(),
+                   expires: dt.datetime | None = None, requests_per_minute: int | None = None,
+                   tokens_per_minute: int | None = None) -> tuple[ApiKey, str]:
+    """Returns the key row and its secret. The secret exists only in this return value."""
+    _require_project(actor, KEY_PERM, project, "apikey.create", "manage API keys")
+    if expires is not None and expires <= timezone.now():
+        raise ValidationError({"expires": "the expiry must be in the future"})
+    services, kbs = _check_scope(project, services, knowledge_bases)
+    with transaction.atomic():
+        key, secret = _new_key(actor, project, name, services, kbs, expires, requests_per_minute, tokens_per_minute)
+        audit.record("apikey.create", actor=actor, target=key, project=project,
+                     after={"name": name, "prefix": key.prefix, "services": [s.slug for s in services],
+                            "knowledge_bases": [kb.slug for kb in kbs], "expires": expires})
+    return key, secret
+
+
+def rotate_api_key(actor, key: ApiKey, *, grace: dt.timedelta = dt.timedelta(hours=24)) -> tuple[ApiKey, str]:
+    """A new key with the same scope; the old one keeps working for `grace`, then stops."""
+    _require_project(actor, KEY_PERM, key.project, "apikey.rotate", "manage API keys")
+    if grace < dt.timedelta(0) or grace > dt.timedelta(days=30):
+        raise ValidationError({"grace": "the grace period is between 0 and 30 days"})
+    now = timezone.now()
+    with transaction.atomic():
+        key = ApiKey.objects.select_for_update().get(pk=key.pk)
+        if not key.is_usable(now) or key.replaced_by_id:
+            raise ValidationError({"key": "only an active key that was not rotated yet can be rotated"})
+        new, secret = _new_key(actor, key.project, key.name, key.services.all(), key.knowledge_bases.all(),
+                               key.expires, key.requests_per_minute, key.tokens_per_minute)
+        old_expires = key.expires
+        key.expires = min(key.expires, now + grace) if key.expires else now + grace
+        key.replaced_by = new
+        key.save(update_fields=["expires", "replaced_by"])
+        audit.record("apikey.rotate", actor=actor, target=key, project=key.project,
+                     before={"prefix": key.prefix, "expires": old_expires},
+                     after={"old_expires": key.expires, "new_key": new.pk, "new_prefix": new.prefix})
+    return new, secret
+
+
+def revoke_api_key(actor, key: ApiKey, *, reason: str = "") -> ApiKey:
+    _require_project_keys_even_archived(actor, key)
+    with transaction.atomic():
+        key = ApiKey.objects.select_for_update().get(pk=key.pk)
+        if key.revoked:
+            raise ValidationError({"key": "this key is already revoked"})
+        key.revoked = timezone.now()
+        key.save(update_fields=["revoked"])
+        audit.record("apikey.revoke", actor=actor, target=key, project=key.project, reason=reason,
+                     after={"prefix": key.prefix, "revoked": key.revoked})
+    return key
+
+
+def _require_project_keys_even_archived(actor, key: ApiKey) -> None:
+    # Revoking must stay possible on an archived project (it only ever narrows access).
+    if not access.can(actor, KEY_PERM, key.project):
+        deny(actor, "apikey.revoke", "you may not manage this project's keys", target_label=str(key.pk))
+
+
+def set_serving_limits(actor, project: Project, *, requests_per_minute: int | None, tokens_per_minute: int | None,
+                       monthly_token_budget: int | None) -> ServingLimits:
+    if not access.can(actor, KB_ADMIN_PERM, project.tenant):
+        deny(actor, "serving.limits", "only the tenant's admins set gateway limits", target=project, project=project)
+    with transaction.atomic():
+        limits, _ = ServingLimits.objects.select_for_update().get_or_create(project=project,
+                                                                            defaults={"tenant": project.tenant})
+        before = {"rpm": limits.requests_per_minute, "tpm": limits.tokens_per_minute,
+                  "budget": limits.monthly_token_budget}
+        limits.requests_per_minute = requests_per_minute
+        limits.tokens_per_minute = tokens_per_minute
+        limits.monthly_token_budget = monthly_token_budget
+        limits.save()
+        audit.record("serving.limits", actor=actor, target=project, project=project, before=before,
+                     after={"rpm": requests_per_minute, "tpm": tokens_per_minute, "budget": monthly_token_budget})
+    return limits
+
+
+# --- gateway: authentication and metering -----------------------------------------------
+
+
+class KeyRejected(Exception):
+    """The presented key cannot be used now. `status` is 401 (not a usable key) or 403."""
+
+    def __init__(self, message: str, *, status: int = 401, code: str = "invalid_api_key"):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+LAST_USED_RESOLUTION = dt.timedelta(seconds=30)  # last_used is written at most this often per key
+
+
+def authenticate_key(raw: str) -> ApiKey:
+    """The usable key for a presented secret, checked fresh at every request: revoked, expired,
+    project archived, tenant suspended and the creator's lost membership all stop it here."""
+    if not keymat.well_formed(raw):
+        raise KeyRejected("Malformed API key.")
+    digest = keymat.digest(raw)
+    key = (ApiKey.objects.select_related("project__tenant", "created_by").filter(digest=digest).first())
+    if key is None or not keymat.matches(raw, key.digest):
+        raise KeyRejected("Invalid API key.")
+    now = timezone.now()
+    if key.revoked is not None:
+        raise KeyRejected("This API key was revoked.")
+    if key.expires is not None and now >= key.expires:
+        raise KeyRejected("This API key has expired." + (" It was rotated; use its replacement." if key.replaced_by_id
+                                                         else ""))
+    if key.project.archived is not None:
+        raise KeyRejected("The project of this API key is archived.")
+    if key.project.tenant.state != TenantState.ACTIVE:
+        raise KeyRejected("The tenant of this API key is suspended.", status=403, code="tenant_suspended")
+    creator = key.created_by
+    if not creator.is_active or not access.can(creator, USE_PERM, key.project):
+        raise KeyRejected("The person who created this key no longer belongs to its project.")
+    if key.last_used is None or now - key.last_used > LAST_USED_RESOLUTION:
+        ApiKey.objects.filter(pk=key.pk).update(last_used=now)
+        key.last_used = now
+    return key
+
+
+def hour_of(t: dt.datetime) -> dt.datetime:
+    return t.astimezone(dt.UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def month_start(t: dt.datetime) -> dt.datetime:
+    return t.astimezone(dt.UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def limits_for(project: Project) -> ServingLimits:
+    limits = ServingLimits.objects.filter(project=project).first()
+    if limits is None:
+        limits = ServingLimits(
+            project=project, tenant_id=project.tenant_id,
+            requests_per_minute=getattr(settings, "ATRIUM_GATEWAY_PROJECT_RPM", None),
+            tokens_per_minute=getattr(settings, "ATRIUM_GATEWAY_PROJECT_TPM", None),
+            monthly_token_budget=None,
+        )
+    return limits
+
+
+def tokens_this_month(project: Project, now: dt.datetime | None = None) -> int:
+    now = now or timezone.now()
+    agg = TokenUsage.objects.filter(project=project, hour__gte=month_start(now)).aggregate(
+        i=Sum("input_tokens"), o=Sum("output_tokens"))
+    return (agg["i"] or 0) + (agg["o"] or 0)
+
+
+def raise_budget_alarm(key: ApiKey, used: int, budget: int) -> bool:
+    """Once per project and month: an alarm row and one audit event. True when newly raised."""
+    month = month_start(timezone.now()).date()
+    message = f"Project {key.project} used {used} of its {budget} monthly gateway tokens; calls are refused."
+    try:
+        with transaction.atomic():
+            ServingAlarm.objects.create(tenant_id=key.tenant_id, project=key.project, month=month,
+                                        kind="token_budget", message=message)
+            audit.record("serving.budget_exceeded", actor_label=f"apikey:{key.prefix}", target=key.project,
+                         project=key.project, reason=message, after={"used": used, "budget": budget})
+    except IntegrityError:
+        return False
+    log.warning("%s", message)
+    return True
+
+
+def record_usage(*, uid: uuid.UUID, key: ApiKey, service: ModelService, endpoint: str, input_tokens: int | None,
+                 output_tokens: int | None, application: Application | None = None, note: str = "",
+                 request_id: str = "") -> bool:
+    """Meter one successful gateway request exactly once (uid is the idempotency key).
+
+    With no usage reported (`input_tokens is None`) the request is recorded as unmetered; a
+    count is never guessed. Returns False when this uid was already recorded.
+    """
+    metered = input_tokens is not None and output_tokens is not None
+    inp = max(0, int(input_tokens or 0))
+    out = max(0, int(output_tokens or 0))
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            GatewayRequest.objects.create(
+                uid=uid, time=now, tenant_id=key.tenant_id, project_id=key.project_id, api_key=key, service=service,
+                application=application, endpoint=endpoint, input_tokens=inp, output_tokens=out, metered=metered,
+                note=note[:200], request_id=request_id[:64],
+            )
+            _upsert_hour(now, key, service, inp, out, metered)
+    except IntegrityError:
+        return False
+    if not metered:
+        log.warning("gateway request %s on %s (key %s) finished without usage from the upstream: recorded unmetered",
+                    uid, service.slug, key.prefix)
+    return True
+
+
+def _upsert_hour(now, key: ApiKey, service: ModelService, inp: int, out: int, metered: bool) -> None:
+    # One statement, atomic under concurrency: the unique (hour, key, service) row is created
+    # or added to; the GatewayRequest insert in the same transaction guards against doubles.
+    sql = (
+        "INSERT INTO serving_tokenusage (hour, tenant_id, project_id, api_key_id, service_id, base_model, requests, "
+        "input_tokens, output_tokens, unmetered_requests) VALUES (%s, %s, %s, %s, %s, %s, 1, %s, %s, %s) "
+        "ON CONFLICT (hour, api_key_id, service_id) DO UPDATE SET "
+        "requests = serving_tokenusage.requests + 1, "
+        "input_tokens = serving_tokenusage.input_tokens + EXCLUDED.input_tokens, "
+        "output_tokens = serving_tokenusage.output_tokens + EXCLUDED.output_tokens, "
+        "unmetered_requests = serving_tokenusage.unmetered_requests + EXCLUDED.unmetered_requests"
+    )
+    with connection.cursor() as cur:
+        cur.execute(sql, [hour_of(now), key.tenant_id, key.project_id, key.pk, service.pk, service.base_model,
+                          inp, out, 0 if metered else 1])
