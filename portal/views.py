@@ -27,7 +27,6 @@ from portal.middleware import SUDO_SESSION_KEY
 from portal.models import AuditOutcome
 
 
-
 @require_GET
 def healthz(request):
     return JsonResponse({"status": "ok"})
@@ -78,9 +77,9 @@ class LoginView(auth_views.LoginView):
 
 @login_required
 def home(request):
-    from portal.dashboard import home_context
+    from portal.dashboard_views import dashboard_page
 
-    return render(request, "portal/home.html", home_context(request.user))
+    return dashboard_page(request)
 
 
 @login_required
@@ -101,7 +100,8 @@ def reauthenticate(request):
         audit.record("auth.reauthenticate", actor=request.user, outcome=AuditOutcome.DENIED,
                      reason="wrong password", target_type="auth.user", target_id=str(request.user.pk))
         messages.error(request, "That password is not right.")
-    return render(request, "portal/reauthenticate.html", {"next": next_url})
+    sso = request.session.get("_auth_user_backend", "").endswith("AtriumOIDCBackend")
+    return render(request, "portal/reauthenticate.html", {"next": next_url, "sso": sso and settings.OIDC_ENABLED})
 
 
 def error_403(request, exception=None):

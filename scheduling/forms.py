@@ -50,8 +50,8 @@ class JobForm(forms.Form):
         allowed = services.allowed_priority_classes(user, project) if project is not None else []
         self.allowed_priority_pks = {p.pk for p in allowed}
         self.fields["priority_class"].choices = [("", "Choose a priority class")] + [(p.pk, p.name) for p in allowed]
-        self.project = project
-        self.spec = self._chosen(specs, "spec")
+        self.chosen_project = project
+        self.chosen_spec = self._chosen(specs, "spec")
         for name in self.DEPENDENT:
             self.fields[name].widget.attrs.update({
                 "hx-post": reverse("scheduling:job_create"), "hx-target": "#job-form-fields",
@@ -76,7 +76,7 @@ class JobForm(forms.Form):
             replicas = int(self._raw("replicas") or 1)
         except (TypeError, ValueError):
             replicas = 1
-        return queries.quota_preview(self.project, self.spec, replicas)
+        return queries.quota_preview(self.chosen_project, self.chosen_spec, replicas)
 
     def clean_command(self):
         try:
