@@ -63,6 +63,9 @@ def _database(url: str) -> dict:
 
 DATABASES = {"default": _database(env.str("DATABASE_URL", default=f"sqlite:///{VAR_DIR}/atrium.sqlite3"))}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# SQLite (development only) cannot enforce "nulls not distinct" on the quota line; the
+# services upsert quota lines, and PostgreSQL enforces the constraint.
+SILENCED_SYSTEM_CHECKS = ["models.W047"]
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 if urlsplit(REDIS_URL).scheme not in {"redis", "rediss", "unix"}:
@@ -87,12 +90,16 @@ INSTALLED_APPS = [
     "scheduling",
     "metering",
     "serving",
+    "api",
 ]
 
 MIDDLEWARE = [
+    "portal.middleware.HealthProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "portal.middleware.RequestContextMiddleware",
+    # a lost database answers 503 + Retry-After, not a 500 (portal/resilience.py)
+    "portal.resilience.DatabaseUnavailableMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -118,10 +125,15 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "portal.context_processors.atrium",
+                "portal.resilience.background_status",
             ],
         },
     }
 ]
+
+if TESTING:
+    # thousands of test logins: a fast hash; never used outside `make test`
+    PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -149,6 +161,10 @@ OIDC_OP_TOKEN_ENDPOINT = env.str("OIDC_OP_TOKEN_ENDPOINT", default="")
 OIDC_OP_USER_ENDPOINT = env.str("OIDC_OP_USER_ENDPOINT", default="")
 OIDC_OP_JWKS_ENDPOINT = env.str("OIDC_OP_JWKS_ENDPOINT", default="")
 OIDC_ENABLED = bool(OIDC_OP_DISCOVERY_URL or OIDC_OP_ISSUER or OIDC_OP_AUTHORIZATION_ENDPOINT)
+OIDC_CREATE_USER = True  # the first SSO sign-in creates the account (matched on issuer + subject after)
+OIDC_TOKEN_USE_BASIC_AUTH = True  # client_secret_basic, the OpenID Connect default client authentication
+OIDC_AUTHENTICATE_CLASS = "portal.oidc.AtriumAuthenticationRequestView"
+OIDC_CALLBACK_CLASS = "portal.oidc.AtriumAuthenticationCallbackView"
 
 AUTHENTICATION_BACKENDS = [
     "django.contrib.auth.backends.ModelBackend",
@@ -156,6 +172,8 @@ AUTHENTICATION_BACKENDS = [
 ]
 if OIDC_ENABLED:
     AUTHENTICATION_BACKENDS.insert(0, "portal.oidc.AtriumOIDCBackend")
+    # re-checks an SSO session with the provider when its ID token expired (htmx-aware)
+    MIDDLEWARE.insert(MIDDLEWARE.index("portal.middleware.SessionValidityMiddleware") + 1, "portal.oidc.HtmxSessionRefresh")
 
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
@@ -194,6 +212,8 @@ STORAGES = {
 }
 MEDIA_ROOT = env.path("MEDIA_ROOT", default=str(VAR_DIR / "media"))
 WHITENOISE_USE_FINDERS = DEBUG or TESTING
+if DEBUG or TESTING:
+    Path(STATIC_ROOT).mkdir(parents=True, exist_ok=True)  # whitenoise warns about a missing root
 
 RQ_QUEUES = {
     name: {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 600}
@@ -205,6 +225,27 @@ if ATRIUM_CLUSTER_BACKEND not in {"simulated", "kubernetes"}:
         f"ATRIUM_CLUSTER_BACKEND={ATRIUM_CLUSTER_BACKEND!r}: choose 'simulated' or 'kubernetes'."
     )
 ATRIUM_SCHEDULER_PERIOD = env.int("ATRIUM_SCHEDULER_PERIOD", default=10)
+# Node-failure recovery: requeued jobs restart only in their own pool, and not on a node that
+# was down within the hold time.
+ATRIUM_RECOVERY_SAME_POOL = env.bool("ATRIUM_RECOVERY_SAME_POOL", default=True)
+ATRIUM_RECOVERY_HOLD_MINUTES = env.int("ATRIUM_RECOVERY_HOLD_MINUTES", default=60)
+
+# --- Kubernetes backend (docs/kubernetes.md) ---
+ATRIUM_K8S_KUBECONFIG = env.str("ATRIUM_K8S_KUBECONFIG", default="")
+ATRIUM_K8S_CONTEXT = env.str("ATRIUM_K8S_CONTEXT", default="")
+ATRIUM_K8S_POOL_LABEL = env.str("ATRIUM_K8S_POOL_LABEL", default="atrium.io/pool")
+ATRIUM_K8S_DEFAULT_POOL = env.str("ATRIUM_K8S_DEFAULT_POOL", default="default")
+ATRIUM_K8S_PRODUCT_MODELS = env.json("ATRIUM_K8S_PRODUCT_MODELS", default={})
+ATRIUM_K8S_SHARED_RESOURCE = env.str("ATRIUM_K8S_SHARED_RESOURCE", default="nvidia.com/gpu.shared")
+ATRIUM_K8S_GRACE_SECONDS = env.int("ATRIUM_K8S_GRACE_SECONDS", default=30)
+ATRIUM_K8S_TIMEOUT_SECONDS = env.float("ATRIUM_K8S_TIMEOUT_SECONDS", default=10.0)
+ATRIUM_K8S_MAX_REQUEUES = env.int("ATRIUM_K8S_MAX_REQUEUES", default=2)
+ATRIUM_DCGM_EXPORTER_URLS = env.list("ATRIUM_DCGM_EXPORTER_URLS", default=[])
+
+# --- API (docs/api.md) ---
+# Key of the personal access tokens' HMAC; derived from SECRET_KEY when empty.
+ATRIUM_API_TOKEN_KEY = env.str("ATRIUM_API_TOKEN_KEY", default="")
+ATRIUM_API_RATE_LIMIT = env.str("ATRIUM_API_RATE_LIMIT", default="60/60")
 ATRIUM_PLACEMENT_POLICY = env.str("ATRIUM_PLACEMENT_POLICY", default="fgd")
 # Only the concurrency test turns this off, to show that it can catch over-admission.
 ATRIUM_CYCLE_LOCK = True

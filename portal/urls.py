@@ -1,10 +1,10 @@
 """Atrium's URL map: each app's URLs under its own prefix, health probes at the root."""
 
-from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from portal import views
+from tenants.urls import platform_urlpatterns
 
 urlpatterns = [
     path("", views.home, name="home"),
@@ -15,9 +15,17 @@ urlpatterns = [
     path("reauthenticate/", views.reauthenticate, name="reauthenticate"),
     path("audit/", include("portal.audit_urls")),
     path("scheduling/", include("scheduling.urls")),
+    path("metering/", include("metering.urls")),
+    path("tenants/", include("tenants.urls")),
+    path("platform/", include((platform_urlpatterns, "platform"))),
+    path("api/", include("api.urls")),
+    path("serving/", include("serving.urls")),
+    path("v1/", include("serving.gateway_urls")),
 ]
-if settings.OIDC_ENABLED:
-    urlpatterns.append(path("oidc/", include("mozilla_django_oidc.urls")))
+# Always routed, so tests can switch SSO on with override_settings (the URLconf is loaded
+# once); the views answer 404 unless settings.OIDC_ENABLED, and the login page shows the
+# SSO button only then.
+urlpatterns.append(path("oidc/", include("mozilla_django_oidc.urls")))
 
 handler403 = "portal.views.error_403"
 handler404 = "portal.views.error_404"

@@ -20,6 +20,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from metering.services import raise_alarm
 from portal import audit, context
 from portal.models import AuditEvent
 from scheduling.engine import cycle as engine_cycle
@@ -154,12 +155,11 @@ def recently_down_nodes(now: dt.datetime) -> set[int]:
 
 
 def budget_blocked_projects(project_ids: set[int], now: dt.datetime) -> set[int]:
-    """Projects whose budget is spent, whose jobs wait with reason `budget`.
+    """Projects whose (project or tenant) `block` budget is spent: their jobs wait with
+    reason `budget`. Metering owns budgets; this is the one place the cycle asks."""
+    from metering.services import budget_blocked_projects as blocked
 
-    Budgets belong to metering and do not exist yet, so nobody is blocked; this is the one
-    place the cycle asks, for metering to answer once budgets exist.
-    """
-    return set()
+    return blocked(project_ids, now)
 
 
 def build_snapshot(now: dt.datetime) -> tuple[Snapshot, dict]:
@@ -369,6 +369,13 @@ def _apply_preemptions(preemptions, index, now, outcome: CycleOutcome) -> None:
         JobEvent.objects.create(job=victim, time=now, kind="preempted", message=victim.wait_message)
         audit.record("job.preempt", target=victim, project=victim.project, reason=victim.wait_message,
                      after={"by_job": p.by_job_id})
+        raise_alarm(
+            kind="job_preempted", severity="warning", project=victim.project,
+            message=f"Job {victim.pk} ({victim.name}) was preempted: {victim.wait_message}",
+            action="It is back in the queue and restarts when capacity frees; use a non-preemptible class "
+                   "for work that must not stop.",
+            dedupe_key=f"job:{victim.pk}:preempted:{victim.preemptions}",
+        )
         outcome.preempted.append(victim.pk)
 
 

@@ -400,6 +400,14 @@ def _requeue_jobs_on_card(card: Accelerator, now, *, reason: str,
                                 message=f"Alarm: job {job.pk} lost its cards ({reason}) and waits to be rescheduled.")
         audit.record("alarm.job_requeued", target=job, project=job.project, reason=reason,
                      before={"state": before}, after={"state": job.state, "end_reason": end_reason})
+        from metering.services import raise_alarm
+
+        raise_alarm(
+            kind="job_requeued", severity="critical", project=job.project,
+            message=f"Job {job.pk} ({job.name}) lost its cards: {reason}.",
+            action="Nothing to do: it waits to be rescheduled on healthy cards. Ops have been told.",
+            dedupe_key=f"job:{job.pk}:requeued:{now.isoformat()}",
+        )
     if jobs:
         transaction.on_commit(_enqueue_cycle)
     return jobs

@@ -59,7 +59,8 @@ class Command(BaseCommand):
                 else:
                     enqueue_unique("scheduling", scheduling_jobs.tick_cluster, "atrium-cluster-tick")
                 if rounds % max(1, 300 // period) == 0:
-                    enqueue_unique("metering", metering_jobs.accrue_usage, "atrium-accrue-usage")
+                    # rollups (with accrual), budget checks and, on the 1st, the month close
+                    metering_jobs.enqueue_periodic()
                 if redis_down:
                     self.stdout.write("Redis is back; background work resumes.")
                 redis_down = False
