@@ -35,7 +35,7 @@ from scheduling.engine.placement import (  # noqa: E402
 
 TRACES = REPO.parent / "shared" / "traces" / "alibaba-gpu-v2023"
 PUBLISHED_POLICY = {"random": "01-Random", "best-fit": "05-BestFit", "fgd-paper": "06-FGD",
-                    "fgd": "06-FGD"}
+                    "fgd": "06-FGD", "fgd-cpu": "06-FGD"}
 LEVELS = (100, 130)
 
 

@@ -53,6 +53,7 @@ class TypicalPods:
     def __init__(self, pods: Iterable[TypicalPod]) -> None:
         self.pods: tuple[TypicalPod, ...] = tuple(pods)
         self._memo: dict[tuple[int, GpuKey], float] = {}
+        self._cpu_per_card: float | None = None
         # Per card model: the typical GPU pods that may use it, as (cpu, milli, num, weight).
         self._by_model: dict[str, tuple[tuple[int, int, int, float], ...]] = {}
 
@@ -69,6 +70,19 @@ class TypicalPods:
             )
             self._by_model[model] = acc
         return acc
+
+    def cpu_per_card(self) -> float:
+        """CPU milli the typical GPU pods ask per whole card of GPU they ask (weighted by
+        probability); 0.0 when no typical pod needs a GPU."""
+        if self._cpu_per_card is not None:
+            return self._cpu_per_card
+        cpu = gpu = 0.0
+        for t in self.pods:
+            if t.gpu_milli > 0:
+                cpu += t.weight * t.cpu_milli
+                gpu += t.weight * t.gpu_milli * max(t.num_gpu, 1)
+        self._cpu_per_card = cpu * MILLI / gpu if gpu else 0.0
+        return self._cpu_per_card
 
     def node_fragment(self, cpu_free: int, gkey: GpuKey) -> float:
         """Expected unusable idle GPU milli of a node with this free CPU and card state."""
