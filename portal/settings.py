@@ -246,7 +246,7 @@ ATRIUM_DCGM_EXPORTER_URLS = env.list("ATRIUM_DCGM_EXPORTER_URLS", default=[])
 # Key of the personal access tokens' HMAC; derived from SECRET_KEY when empty.
 ATRIUM_API_TOKEN_KEY = env.str("ATRIUM_API_TOKEN_KEY", default="")
 ATRIUM_API_RATE_LIMIT = env.str("ATRIUM_API_RATE_LIMIT", default="60/60")
-ATRIUM_PLACEMENT_POLICY = env.str("ATRIUM_PLACEMENT_POLICY", default="fgd")
+ATRIUM_PLACEMENT_POLICY = env.str("ATRIUM_PLACEMENT_POLICY", default="fgd-cpu")
 # Only the concurrency test turns this off, to show that it can catch over-admission.
 ATRIUM_CYCLE_LOCK = True
 ATRIUM_CURRENCY = env.str("ATRIUM_CURRENCY", default="EUR")
