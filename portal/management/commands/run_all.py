@@ -51,6 +51,8 @@ class Command(BaseCommand):
             subprocess.Popen([*manage, "rqworker", "scheduling", "metering", "reports", "default",
                               "--worker-class", "rq.worker.SimpleWorker", "--verbosity", "0"]),
             subprocess.Popen([*manage, "run_scheduler"]),
+            # the demo's model server behind the chat-assistant service (OpenAI-compatible)
+            subprocess.Popen([*manage, "run_upstream", "--port", "8001"]),
         ]
         stopping = False
 

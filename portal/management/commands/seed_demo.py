@@ -43,6 +43,21 @@ ACCOUNTS = {
 }
 
 H100, A100, L4, MI300 = "H100-SXM5-80GB", "A100-SXM4-80GB", "L4-24GB", "MI300X-192GB"
+# `make run` starts a small OpenAI-compatible model server here (serving/upstream.py).
+DEMO_UPSTREAM = "http://127.0.0.1:8001"
+
+HANDBOOK = """# GPU etiquette in Vision Lab
+
+Use the smallest spec that fits: an `l4 x0.5` share is enough for notebooks and labeling
+tools. Book `h100-80g x4` or larger only for training runs, with the training priority class.
+Checkpoint every 30 minutes: batch and training jobs can be preempted by production work.
+"""
+
+FAQ = """# Chat assistant support FAQ
+
+The chat assistant answers customer questions from the product manuals. Escalate refunds
+to a human agent. The assistant never sees payment data.
+"""
 
 
 class Command(BaseCommand):
@@ -62,6 +77,7 @@ class Command(BaseCommand):
             self._organisation(users)
             self._vendor_access(users)
             self._history(users, days=days, rng=random.Random(seed))
+            self._serving(users)
         self.stdout.write(self.style.SUCCESS(
             f"Demo organisation loaded: {Tenant.objects.count()} tenants, {Project.objects.count()} projects, "
             f"{Accelerator.objects.count()} cards, {Job.objects.count()} jobs."
@@ -202,6 +218,29 @@ class Command(BaseCommand):
         VendorGrant.objects.create(vendor=users["vendor-expired"], work_order=order, requested_by=users["ops"],
                                    approved_by=users["security"], starts=now - dt.timedelta(days=10),
                                    expires=now - dt.timedelta(days=3))
+
+    # --- model services, knowledge bases, API keys ---------------------------------------
+    def _serving(self, users) -> None:
+        from serving import services as serving
+
+        p = {pr.slug: pr for pr in Project.objects.all()}
+        t = {tn.slug: tn for tn in Tenant.objects.all()}
+        chat = serving.create_model_service(
+            users["nlp-admin"], project=p["chat-prod"], slug="chat-assistant", name="Chat assistant",
+            base_model="Llama-3.1-8B-Instruct", model_version="2025-07", spec=ResourceSpec.objects.get(name="l4 x0.5"),
+            priority_class=PriorityClass.objects.get(name="production"), upstream_url=DEMO_UPSTREAM,
+            visibility="tenant",
+        )
+        serving.publish_service(users["nlp-admin"], chat)
+        serving.create_api_key(users["nlp-user"], project=p["chat-prod"], name="support-bot", services=[chat])
+        handbook = serving.create_knowledge_base(users["vision-admin"], tenant=t["vision-lab"], slug="lab-handbook",
+                                                 name="Lab handbook", all_projects=True)
+        serving.upload_document(users["vision-admin"], handbook, filename="gpu-etiquette.md", content_type="text/markdown",
+                                data=HANDBOOK.encode())
+        faq = serving.create_knowledge_base(users["nlp-admin"], tenant=t["nlp-group"], slug="support-faq",
+                                            name="Support FAQ", all_projects=True)
+        serving.upload_document(users["nlp-admin"], faq, filename="faq.md", content_type="text/markdown",
+                                data=FAQ.encode())
 
     # --- 30 days of history on the simulated clock -----------------------------------
     def _history(self, users, *, days: int, rng: random.Random) -> None:
