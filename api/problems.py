@@ -158,9 +158,9 @@ def install(api) -> None:
 
     @api.exception_handler(Exception)
     def _crash(request, exc):
-        from portal.resilience import DB_UNAVAILABLE, unavailable_response
+        from portal.resilience import is_db_outage, unavailable_response
 
-        if isinstance(exc, DB_UNAVAILABLE):  # the database is away: 503 + Retry-After, not a 500
+        if is_db_outage(exc):  # the database is away: 503 + Retry-After, not a 500
             return unavailable_response(request)
         log.exception("API request %s failed", getattr(request, "path", "?"))
         return problem_response(request, "server-error", "Something went wrong on our side; the request id names it.")

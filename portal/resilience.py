@@ -3,8 +3,8 @@
 Two pieces, both cheap on the happy path:
 
 * `DatabaseUnavailableMiddleware` turns a lost PostgreSQL connection (django.db OperationalError
-  or InterfaceError, wherever in the request it surfaces: a view, a middleware, the session
-  save) into a 503 with `Retry-After`: a small HTML page for people, RFC 9457 problem+json
+  with a connection-level cause, or InterfaceError, wherever in the request it surfaces: a view,
+  a middleware, the session save) into a 503 with `Retry-After`: a small HTML page for people, RFC 9457 problem+json
   under /api/, OpenAI-shaped JSON under /v1/. Django reconnects on the next request
   (CONN_HEALTH_CHECKS), so the web process recovers by itself when the database returns.
 * `background_status` (a context processor) tells signed-in users that background work is
@@ -12,7 +12,8 @@ Two pieces, both cheap on the happy path:
   the probe uses 0.2 s socket timeouts, so a dead or hanging Redis never slows every page.
 
 This module must never hide a programming error as "unavailable" (only connection-level
-database errors are mapped; an IntegrityError or a bug stays a 500 and is logged), and never
+database errors are mapped; a deadlock, a lock timeout, an IntegrityError or a bug stays a 500
+and is logged), and never
 touch the database itself while rendering the 503 (the page has no context processors).
 """
 
@@ -32,6 +33,7 @@ from django.template.loader import render_to_string
 log = logging.getLogger("atrium.resilience")
 
 DB_UNAVAILABLE = (OperationalError, InterfaceError)
+OUTAGE_SQLSTATES = {"57P01", "57P02", "57P03"}
 RETRY_AFTER_SECONDS = 5
 REDIS_CHECK_SECONDS = 5.0  # how long one Redis probe's answer is believed
 REDIS_TIMEOUT_SECONDS = 0.2
@@ -44,10 +46,16 @@ _FLAG = "_atrium_db_unavailable"
 # --- the database ----------------------------------------------------------------------
 
 
-def _is_db_outage(exc: BaseException | None) -> bool:
-    # On PostgreSQL a lost or refused connection is OperationalError (or InterfaceError for a
-    # closed one); a bad query is ProgrammingError/IntegrityError and stays a logged 500.
-    return isinstance(exc, DB_UNAVAILABLE)
+def is_db_outage(exc: BaseException | None) -> bool:
+    """A lost or refused connection, or a server shutting down: not a deadlock, a lock timeout or a bug."""
+    if isinstance(exc, InterfaceError):
+        return True
+    if not isinstance(exc, OperationalError):
+        return False
+    # psycopg's error is the cause; no SQLSTATE means the connection itself failed, class 08 is
+    # "connection exception", 57P01-03 are admin/crash shutdown and "cannot connect now" (starting up)
+    sqlstate = getattr(exc.__cause__, "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in OUTAGE_SQLSTATES
 
 
 def unavailable_response(request) -> HttpResponse:
@@ -79,7 +87,7 @@ def _mark_outage(sender, request=None, **kwargs) -> None:
     # got_request_exception fires inside Django's except block, so sys.exc_info() is the
     # exception that a middleware below raised (process_exception only sees view errors).
     exc = sys.exc_info()[1]
-    if request is not None and _is_db_outage(exc):
+    if request is not None and is_db_outage(exc):
         setattr(request, _FLAG, exc)
 
 
@@ -96,6 +104,8 @@ class DatabaseUnavailableMiddleware:
         try:
             response = self.get_response(request)
         except DB_UNAVAILABLE as exc:  # the 500 handler itself could not render (it needs the database too)
+            if not is_db_outage(exc):
+                raise
             return self._unavailable(request, exc)
         exc = getattr(request, _FLAG, None)
         if exc is not None and response.status_code >= 500:
@@ -103,7 +113,7 @@ class DatabaseUnavailableMiddleware:
         return response
 
     def process_exception(self, request, exception):
-        if _is_db_outage(exception):
+        if is_db_outage(exception):
             return self._unavailable(request, exception)
         return None
 

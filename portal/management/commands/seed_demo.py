@@ -44,7 +44,7 @@ ACCOUNTS = {
 
 H100, A100, L4, MI300 = "H100-SXM5-80GB", "A100-SXM4-80GB", "L4-24GB", "MI300X-192GB"
 # `make run` starts a small OpenAI-compatible model server here (serving/upstream.py).
-DEMO_UPSTREAM = "http://127.0.0.1:8001"
+DEMO_UPSTREAM = "http://127.0.0.1:8001/v1"  # the demo model server answers under /v1
 
 HANDBOOK = """# GPU etiquette in Vision Lab
 
