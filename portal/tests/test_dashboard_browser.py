@@ -197,3 +197,57 @@ def test_tenant_dashboard_is_readable_on_a_phone(browser, live_server, demo):
     assert overflow <= 0, f"the page scrolls sideways by {overflow}px at 390 px"
     assert page.console_problems == [], page.console_problems
     context.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admin_adds_a_member_and_ops_quarantine_alarms_the_owner(browser, live_server, demo):
+    """vision-admin adds a member through the console; ops quarantines the card a vision-lab
+    job runs on; vision-user then sees the alarm on the dashboard."""
+    from django.contrib.auth import get_user_model
+    from playwright.sync_api import expect
+
+    from scheduling import services
+    from scheduling.cycle import run_cycle
+    from scheduling.models import Binding, PriorityClass, ResourceSpec
+    from tenants.models import Project, ProjectMembership, Tenant
+
+    get_user_model().objects.create_user("new-scientist", password=DEMO_PASSWORD)
+    tenant = Tenant.objects.get(slug="vision-lab")
+    context, page = new_page(browser)
+    sign_in(page, live_server, "vision-admin")
+    page.goto(f"{live_server.url}/tenants/{tenant.pk}/members/")
+    page.locator("#id_who").fill("new-scientist")
+    page.locator("#id_project").select_option(label="vision-lab/detector")
+    page.locator("#id_role").select_option("user")
+    page.get_by_role("button", name="Add").click()
+    expect(page.locator("main")).to_contain_text("new-scientist")
+    shot(page, "09-tenant-admin-added-member")
+    assert ProjectMembership.objects.filter(user__username="new-scientist", project__slug="detector",
+                                            role="user").count() == 1
+    context.close()
+
+    vision_user = get_user_model().objects.get(username="vision-user")
+    job = services.submit_job(vision_user, project=Project.objects.get(slug="detector"),
+                              spec=ResourceSpec.objects.get(name="h100-80g x1"),
+                              priority_class=PriorityClass.objects.get(name="training"),
+                              name="alarm-watch", image="img:1", command=["python", "train.py"])
+    run_cycle()
+    card = Binding.objects.get(job=job, end__isnull=True).accelerator
+
+    context, page = new_page(browser)
+    sign_in(page, live_server, "ops")
+    page.goto(f"{live_server.url}/scheduling/nodes/{card.node_id}/")
+    row = page.locator("tr", has=page.get_by_text(card.uuid, exact=True))
+    row.get_by_label("Reason").fill("XID 48 on this card, vendor called")
+    row.get_by_role("button", name="Quarantine").click()
+    expect(page.locator("tr", has=page.get_by_text(card.uuid, exact=True))).to_contain_text("quarantined")
+    shot(page, "10-ops-quarantined-card")
+    context.close()
+
+    context, page = new_page(browser)
+    sign_in(page, live_server, "vision-user")
+    expect(page.locator("#panel-alarms")).to_contain_text(f"Job {job.pk}")
+    expect(page.locator("#panel-alarms")).to_contain_text("lost its cards")
+    shot(page, "11-vision-user-sees-alarm")
+    assert page.console_problems == [], page.console_problems
+    context.close()

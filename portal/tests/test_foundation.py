@@ -25,7 +25,9 @@ PROD_ENV = {
 def manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in {
         "DEBUG", "SECRET_KEY", "DATABASE_URL", "SECURE_SSL_REDIRECT", "SESSION_COOKIE_SECURE",
-        "CSRF_COOKIE_SECURE", "SECURE_HSTS_SECONDS", "ATRIUM_TESTING", "DJANGO_SETTINGS_MODULE"}}
+        "CSRF_COOKIE_SECURE", "SECURE_HSTS_SECONDS", "ATRIUM_TESTING", "DJANGO_SETTINGS_MODULE",
+        # set by the browser tests in this process (Playwright's loop); never in deployment
+        "DJANGO_ALLOW_ASYNC_UNSAFE"}}
     return subprocess.run([sys.executable, str(ROOT / "manage.py"), *args], env={**base, **env},
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 

@@ -129,6 +129,10 @@ class Command(BaseCommand):
                     memory_mib=(2048 if cards == 8 else 256) * 1024, model=models[model], cards=cards,
                     labels={"atrium.io/pool": pool},
                 )
+        # list prices per card-hour, effective before the history starts (past cost never moves)
+        since = timezone.now() - dt.timedelta(days=90)
+        for name, price in ((H100, "2.90"), (A100, "1.80"), (L4, "0.45"), (MI300, "2.40")):
+            metering.set_price(admin, accelerator_model=models[name], per_card_hour=price, effective_from=since)
         spec = sched.create_spec
         h, a, l4, mi = [models[H100]], [models[A100]], [models[L4]], [models[MI300]]
         spec(admin, name="h100-80g x1", models=h, gpu_count=1, cpu_milli=24_000, memory_mib=192 * 1024,
