@@ -229,6 +229,17 @@ ATRIUM_SCHEDULER_PERIOD = env.int("ATRIUM_SCHEDULER_PERIOD", default=10)
 # was down within the hold time.
 ATRIUM_RECOVERY_SAME_POOL = env.bool("ATRIUM_RECOVERY_SAME_POOL", default=True)
 ATRIUM_RECOVERY_HOLD_MINUTES = env.int("ATRIUM_RECOVERY_HOLD_MINUTES", default=60)
+# Interference on shared cards: a share using more than factor x its share of the card for the
+# whole window, while another job shares the card, is alarmed; "requeue" also requeues it.
+ATRIUM_INTERFERENCE_POLICY = env.str("ATRIUM_INTERFERENCE_POLICY", default="warn")
+if ATRIUM_INTERFERENCE_POLICY not in {"warn", "requeue"}:
+    raise ImproperlyConfigured(
+        f"ATRIUM_INTERFERENCE_POLICY={ATRIUM_INTERFERENCE_POLICY!r}: choose 'warn' or 'requeue'."
+    )
+ATRIUM_INTERFERENCE_FACTOR = env.float("ATRIUM_INTERFERENCE_FACTOR", default=1.5)
+if ATRIUM_INTERFERENCE_FACTOR < 1:
+    raise ImproperlyConfigured("ATRIUM_INTERFERENCE_FACTOR must be at least 1 (1.5 = half again its share).")
+ATRIUM_INTERFERENCE_WINDOW_MINUTES = env.int("ATRIUM_INTERFERENCE_WINDOW_MINUTES", default=10)
 
 # --- Kubernetes backend (docs/kubernetes.md) ---
 ATRIUM_K8S_KUBECONFIG = env.str("ATRIUM_K8S_KUBECONFIG", default="")

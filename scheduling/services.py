@@ -11,9 +11,10 @@ from __future__ import annotations
 import datetime as dt
 from decimal import Decimal
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Q, Sum
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from portal import audit
@@ -377,40 +378,53 @@ def _requeue_jobs_on_card(card: Accelerator, now, *, reason: str,
     """Requeue every job holding the card (found from its open bindings) and alarm its tenant.
 
     All of a job's bindings end (a multi-card or multi-node job cannot run on part of its
-    cards). The alarm is, for now, a job event of kind "alarm" plus an audit event the
-    tenant's admins see in their audit log; a proper Alarm belongs to metering/dashboards.
+    cards). The alarm is a job event of kind "alarm", an audit event the tenant's admins see
+    in their audit log and a metering Alarm on the project's dashboard.
     """
     from scheduling.queries import jobs_on_cards
 
     jobs = list(jobs_on_cards([card.pk]).select_for_update(of=("self",)).select_related("project__tenant"))
     for job in jobs:
-        if job.state not in ACTIVE_STATES:
-            continue
-        Binding.objects.filter(job=job, end__isnull=True).update(end=now, end_reason=end_reason)
-        before = job.state
-        job.state = JobState.PENDING
-        job.started = None
-        job.admitted = None
-        job.wait_reason = WaitReason.HEALTH
-        job.wait_message = f"Requeued: {reason}."
-        job.queue_position = None
-        job.save()
-        JobEvent.objects.create(job=job, time=now, kind="requeued", message=f"Requeued because {reason}.")
-        JobEvent.objects.create(job=job, time=now, kind="alarm",
-                                message=f"Alarm: job {job.pk} lost its cards ({reason}) and waits to be rescheduled.")
-        audit.record("alarm.job_requeued", target=job, project=job.project, reason=reason,
-                     before={"state": before}, after={"state": job.state, "end_reason": end_reason})
-        from metering.services import raise_alarm
-
-        raise_alarm(
-            kind="job_requeued", severity="critical", project=job.project,
-            message=f"Job {job.pk} ({job.name}) lost its cards: {reason}.",
-            action="Nothing to do: it waits to be rescheduled on healthy cards. Ops have been told.",
-            dedupe_key=f"job:{job.pk}:requeued:{now.isoformat()}",
-        )
+        _requeue_job(job, now, reason=reason, end_reason=end_reason)
     if jobs:
         transaction.on_commit(_enqueue_cycle)
     return jobs
+
+
+def _requeue_job(job: Job, now, *, reason: str, end_reason: str, wait_reason: str = WaitReason.HEALTH,
+                 alarm: bool = True) -> bool:
+    """Put one active job (row locked by the caller) back in the queue, ending all its bindings.
+
+    With `alarm` the owner is told here (job event, audit event, project Alarm); callers that
+    raise their own alarm and write their own audit event (interference) pass alarm=False.
+    """
+    if job.state not in ACTIVE_STATES:
+        return False
+    Binding.objects.filter(job=job, end__isnull=True).update(end=now, end_reason=end_reason)
+    before = job.state
+    job.state = JobState.PENDING
+    job.started = None
+    job.admitted = None
+    job.wait_reason = wait_reason
+    job.wait_message = f"Requeued: {reason}."[:400]
+    job.queue_position = None
+    job.save()
+    JobEvent.objects.create(job=job, time=now, kind="requeued", message=f"Requeued because {reason}."[:400])
+    if not alarm:
+        return True
+    JobEvent.objects.create(job=job, time=now, kind="alarm",
+                            message=f"Alarm: job {job.pk} lost its cards ({reason}) and waits to be rescheduled."[:400])
+    audit.record("alarm.job_requeued", target=job, project=job.project, reason=reason,
+                 before={"state": before}, after={"state": job.state, "end_reason": end_reason})
+    from metering.services import raise_alarm
+
+    raise_alarm(
+        kind="job_requeued", severity="critical", project=job.project,
+        message=f"Job {job.pk} ({job.name}) lost its cards: {reason}.",
+        action="Nothing to do: it waits to be rescheduled on healthy cards. Ops have been told.",
+        dedupe_key=f"job:{job.pk}:requeued:{now.isoformat()}",
+    )
+    return True
 
 
 def set_card_health(actor, card: Accelerator, health: str, *, reason: str) -> Accelerator:
@@ -456,6 +470,166 @@ def set_node_state(actor, node: Node, state: str, *, reason: str) -> Node:
                      reason=reason)
         transaction.on_commit(_enqueue_cycle)
     return node
+
+
+# --- interference on shared cards ----------------------------------------------------------
+
+
+def open_shared_bindings():
+    """Open bindings that share a card by fraction (whole cards and MIG slices cannot interfere)."""
+    return Binding.objects.filter(end__isnull=True, share_milli__lt=1000, mig_profile="")
+
+
+def record_utilisation(readings, *, now: dt.datetime, replace: bool = False) -> int:
+    """Store what each share used at `now`: `readings` are (binding or binding id, used thousandths
+    of the whole card). A backend calls this on each tick; a reading taken twice at the same
+    instant is stored once (the first one, or the new one with `replace`). Samples older than
+    twice the interference window (at least an hour) are pruned: they are telemetry for the
+    interference check, not history."""
+    from scheduling.models import UtilisationSample
+
+    rows = [
+        UtilisationSample(binding_id=getattr(b, "pk", b), time=now, used_milli=max(0, min(1000, int(used))))
+        for b, used in readings
+    ]
+    keep = max(2 * dt.timedelta(minutes=settings.ATRIUM_INTERFERENCE_WINDOW_MINUTES), dt.timedelta(hours=1))
+    with transaction.atomic():
+        if replace:
+            UtilisationSample.objects.bulk_create(rows, update_conflicts=True, unique_fields=["binding", "time"],
+                                                  update_fields=["used_milli"])
+        else:
+            UtilisationSample.objects.bulk_create(rows, ignore_conflicts=True)
+        UtilisationSample.objects.filter(time__lt=now - keep).delete()
+    return len(rows)
+
+
+def interference_policy():
+    from scheduling.interference import Policy
+
+    return Policy(factor=float(settings.ATRIUM_INTERFERENCE_FACTOR),
+                  window=dt.timedelta(minutes=settings.ATRIUM_INTERFERENCE_WINDOW_MINUTES))
+
+
+def check_interference(now: dt.datetime | None = None, *, policy=None) -> list[dict]:
+    """Find the shares that persistently took far more than they asked for (scheduling.interference)
+    and handle each (alarms, audit, the configured policy). Returns what was handled this time;
+    an offence already handled in the same hour is not handled again."""
+    from scheduling.interference import Sample, Share, find_offenders
+    from scheduling.models import UtilisationSample
+
+    now = now or timezone.now()
+    policy = policy or interference_policy()
+    # only cards shared right now can have a victim; their bindings of the last two windows give
+    # both the offender's run and who else held the card at each sample
+    cards = list(open_shared_bindings().values("accelerator_id").annotate(n=Count("id")).filter(n__gte=2)
+                 .values_list("accelerator_id", flat=True))
+    if not cards:
+        return []
+    since = now - 2 * policy.window
+    bindings = list(Binding.objects.filter(accelerator_id__in=cards, share_milli__lt=1000, mig_profile="")
+                    .filter(Q(end__isnull=True) | Q(end__gt=since)).filter(start__lte=now))
+    samples: dict[int, list] = {b.pk: [] for b in bindings}
+    for binding_id, time, used in (UtilisationSample.objects.filter(binding_id__in=samples, time__gte=since, time__lte=now)
+                                   .values_list("binding_id", "time", "used_milli")):
+        samples[binding_id].append(Sample(time, used))
+    shares = [Share(b.pk, b.job_id, b.accelerator_id, b.share_milli, b.start, b.end, tuple(samples[b.pk]))
+              for b in bindings]
+    handled = []
+    for offender in find_offenders(shares, now=now, policy=policy):
+        result = handle_interference(offender, now=now)
+        if result:
+            handled.append(result)
+    return handled
+
+
+def _pct(milli: int | float) -> str:
+    return f"{milli / 10:.0f}%"
+
+
+def handle_interference(offender, *, now: dt.datetime | None = None, policy: str | None = None) -> dict | None:
+    """Act on one offender found by scheduling.interference: one ops alarm (tenant None), one
+    alarm per project owning a job on the card, one health event in the card's history, one
+    audit event; then the policy (ATRIUM_INTERFERENCE_POLICY): "warn" leaves the job running,
+    "requeue" ends its bindings and puts it back in the queue (the jobs it slowed keep running).
+
+    Deduplicated per card, offender and hour: called again on every tick while the offence
+    lasts, it does nothing until the next hour. Victims' alarms never name the offending job or
+    its tenant; only ops see who it was.
+    """
+    from metering.models import Alarm
+    from metering.services import raise_alarm
+
+    now = now or timezone.now()
+    policy = policy or settings.ATRIUM_INTERFERENCE_POLICY
+    if policy not in ("warn", "requeue"):
+        raise ValidationError({"policy": f"unknown interference policy {policy!r}: choose warn or requeue"})
+    key = f"interference:card:{offender.card_id}:job:{offender.job_id}:{now.astimezone(dt.UTC):%Y-%m-%dT%H}"
+    with transaction.atomic():
+        # one handler per card at a time, so two ticks racing raise and audit it once
+        card = Accelerator.objects.select_for_update().select_related("node").get(pk=offender.card_id)
+        if Alarm.objects.filter(dedupe_key=f"{key}:ops").exists():
+            return None
+        job = (Job.objects.select_for_update(of=("self",)).select_related("project__tenant")
+               .filter(pk=offender.job_id).first())
+        if job is None or job.state not in ACTIVE_STATES or not Binding.objects.filter(
+                pk=offender.binding_id, end__isnull=True).exists():
+            return None
+        sharing = list(Binding.objects.filter(accelerator=card, end__isnull=True)
+                       .select_related("job", "project__tenant").order_by("start", "id"))
+        minutes = max(1, round((now - offender.since).total_seconds() / 60))
+        what = (f"used {_pct(offender.used_milli)} of card {card} on average for {minutes} min against its "
+                f"{_pct(offender.share_milli)} share (allowed up to {_pct(offender.threshold_milli)})")
+        others = [b for b in sharing if b.job_id != job.pk]
+        requeue = policy == "requeue"
+        ops_action = ("It was requeued; it may be placed again (on any shared card) by the next cycle."
+                      if requeue else
+                      "Policy is warn: it keeps running. Ask its owners to cap its GPU use, or requeue it by hand.")
+        raise_alarm(
+            kind="interference", severity="warning", dedupe_key=f"{key}:ops",
+            message=(f"Job {job.pk} ({job.project}/{job.name}) {what}, slowing "
+                     + ", ".join(f"job {b.job_id} ({b.project})" for b in others) + "."),
+            action=ops_action,
+        )
+        projects = {b.project_id: b.project for b in sharing}
+        for project_id, project in sorted(projects.items()):
+            own = [b.job_id for b in others if b.project_id == project_id]
+            if project_id == job.project_id:
+                message = f"Your job {job.pk} ({job.name}) {what}: it slows the other jobs sharing the card."
+                action = ("It was requeued and waits for a card again. Keep its GPU use within its share, "
+                          "or resubmit it with a whole-card spec." if requeue else
+                          "Keep its GPU use within its share, or resubmit it with a whole-card spec; "
+                          "ops have been told.")
+            else:
+                message = (f"Your job{'s' if len(own) > 1 else ''} {', '.join(map(str, own))} on card {card} "
+                           f"may run slower: another job sharing the card used {_pct(offender.used_milli)} of it "
+                           f"for {minutes} min against its {_pct(offender.share_milli)} share.")
+                action = ("Nothing to do: the other job was requeued." if requeue else
+                          "Nothing to do: ops and the other job's owners have been told.")
+            raise_alarm(kind="interference", severity="warning", project=project,
+                        dedupe_key=f"{key}:project:{project_id}", message=message, action=action)
+        HealthEvent.objects.create(
+            accelerator=card, time=now, kind=HealthEventKind.INTERFERENCE, resulting_health=card.health,
+            message=f"job {job.pk} {what}"[:300],
+        )
+        reason = f"interference on shared card {card}: it {what}"
+        before = job.state
+        if requeue:
+            _requeue_job(job, now, reason=reason, end_reason=BindingEnd.INTERFERENCE,
+                         wait_reason=WaitReason.INTERFERENCE, alarm=False)
+            transaction.on_commit(_enqueue_cycle)
+        else:
+            JobEvent.objects.create(job=job, time=now, kind="alarm",
+                                    message=f"Alarm: {reason[0].upper()}{reason[1:]}."[:400])
+        audit.record(
+            "job.interference", target=job, project=job.project, actor_label="service:interference",
+            reason=reason[:500],
+            before={"state": before},
+            after={"state": job.state, "policy": policy, "card": str(card), "share_milli": offender.share_milli,
+                   "used_milli": offender.used_milli, "threshold_milli": offender.threshold_milli,
+                   "minutes": minutes, "jobs_slowed": len(others)},
+        )
+    return {"job": job.pk, "card": card.pk, "policy": policy, "victims": [b.job_id for b in others],
+            "projects": sorted(projects)}
 
 
 def active_bindings_on(card: Accelerator, at: dt.datetime | None = None):

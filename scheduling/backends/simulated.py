@@ -3,7 +3,10 @@
 It is the embedded default and what the demo runs on. `tick(now)` starts admitted jobs and
 finishes those whose declared run time (or time limit) has passed, ending their bindings at
 the exact simulated instant; `inject_fault` feeds a health event through the same health
-policy a real backend uses. It never admits or places anything: that is the cycle's job.
+policy a real backend uses. On every tick it also reports what each share of a shared card
+used (by default exactly its share; `set_utilisation` or `inject_fault(kind="interference")`
+makes a job greedy) and runs the interference check on those samples. It never admits or
+places anything: that is the cycle's job.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 import datetime as dt
 
 from django.db import transaction
+from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from portal import audit, context
 from scheduling import services
-from scheduling.models import Binding, BindingEnd, Job, JobEvent, JobState
+from scheduling.models import Binding, BindingEnd, Job, JobEvent, JobState, UtilisationSample
+
+INTERFERENCE = "interference"
 
 
 class SimulatedCluster:
@@ -58,11 +64,50 @@ class SimulatedCluster:
                 finished.append(job.pk)
         if finished:
             services.enqueue_cycle_after_commit()
-        return {"started": started, "finished": finished}
+        # after the state changes are committed: a failing check must not undo finished jobs
+        with context.bound(actor_label="service:simulated-cluster"):
+            self.sample_utilisation(now)
+            interference = services.check_interference(now)
+        return {"started": started, "finished": finished, "interference": [h["job"] for h in interference]}
+
+    def sample_utilisation(self, now: dt.datetime) -> int:
+        """Report one sample per running share of a shared card, as a DCGM scrape would.
+
+        A simulated job keeps using what it last reported (its share until someone makes it
+        greedy), so the setting survives across processes: it lives in the samples themselves.
+        """
+        last = UtilisationSample.objects.filter(binding=OuterRef("pk")).order_by("-time", "-id").values("used_milli")[:1]
+        rows = (services.open_shared_bindings().filter(job__state=JobState.RUNNING, start__lte=now)
+                .annotate(last_used=Subquery(last)).values_list("pk", "share_milli", "last_used"))
+        readings = [(pk, share if used is None else used) for pk, share, used in rows]
+        return services.record_utilisation(readings, now=now) if readings else 0
+
+    def set_utilisation(self, job: Job, fraction: float, *, now: dt.datetime | None = None) -> int:
+        """From `now` on, `job` uses `fraction` of the whole card (0..1) on each of its shares.
+
+        Returns the number of shares changed (0 for a job holding no share of a shared card).
+        """
+        now = now or timezone.now()
+        ids = list(services.open_shared_bindings().filter(job=job).values_list("pk", flat=True))
+        return services.record_utilisation([(pk, round(fraction * 1000)) for pk in ids], now=now, replace=True) if ids else 0
 
     def inject_fault(self, card, *, kind: str, code: int | None = None, message: str = "",
-                     now: dt.datetime | None = None):
-        """Feed a simulated health signal (XID, ECC, thermal, missing device) to the policy."""
+                     now: dt.datetime | None = None, job: Job | None = None):
+        """Feed a simulated health signal (XID, ECC, thermal, missing device) to the policy.
+
+        kind="interference" is not a health signal: it makes `job` (by default the longest-running
+        share of `card`) greedy, using `code` percent of the card (default 100) from `now` on;
+        the interference check on the following ticks does the rest. Returns the job, or None
+        when the card holds no share.
+        """
+        if kind == INTERFERENCE:
+            if job is None:
+                first = services.open_shared_bindings().filter(accelerator=card).order_by("start", "id").first()
+                job = first.job if first else None
+            if job is None:
+                return None
+            self.set_utilisation(job, (code if code is not None else 100) / 100, now=now)
+            return job
         with context.bound(actor_label="service:simulated-cluster"):
             return services.record_health_event(
                 None, card, kind=kind, code=code, message=message or f"simulated {kind} {code or ''}".strip(),

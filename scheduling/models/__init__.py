@@ -20,6 +20,7 @@ from scheduling.models.jobs import (
     JobEvent,
     JobKind,
     JobState,
+    UtilisationSample,
     WaitReason,
 )
 from scheduling.models.requests import (
@@ -35,5 +36,5 @@ __all__ = [
     "ACTIVE_STATES", "FINAL_STATES", "ISOLATION", "Accelerator", "AcceleratorModel", "Binding",
     "BindingEnd", "Health", "HealthEvent", "HealthEventKind", "Job", "JobEvent", "JobKind",
     "JobState", "Node", "NodeState", "PriorityClass", "Quota", "QuotaResource", "ResourcePool",
-    "ResourceSpec", "ShareMode", "Vendor", "WaitReason",
+    "ResourceSpec", "ShareMode", "UtilisationSample", "Vendor", "WaitReason",
 ]

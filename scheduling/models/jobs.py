@@ -37,6 +37,7 @@ class WaitReason(models.TextChoices):
     BUDGET = "budget", "budget"
     SPEC_UNSATISFIABLE = "spec-unsatisfiable", "spec cannot be satisfied"
     PREEMPTED = "preempted", "preempted"
+    INTERFERENCE = "interference", "requeued for interference on a shared card"
 
 
 class JobKind(models.TextChoices):
@@ -108,6 +109,7 @@ class BindingEnd(models.TextChoices):
     CARD_FAILED = "card_failed", "card failed"
     NODE_DOWN = "node_down", "node down"
     FAILED = "failed", "job failed"
+    INTERFERENCE = "interference", "took more than its share"
 
 
 class Binding(models.Model):
@@ -140,3 +142,26 @@ class Binding(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job} on {self.accelerator}"
+
+
+class UtilisationSample(models.Model):
+    """What one share of a card actually used at one instant, as the backend measured it.
+
+    Only fractional bindings are sampled (a whole card or a MIG slice cannot take from anyone).
+    `used_milli` is in thousandths of the whole card, so it compares directly with the
+    binding's `share_milli`. Telemetry, not history: old samples are pruned (see
+    scheduling.services.record_utilisation) and they go with their binding.
+    """
+
+    binding = models.ForeignKey(Binding, on_delete=models.CASCADE, related_name="utilisation")
+    time = models.DateTimeField()
+    used_milli = models.PositiveSmallIntegerField(help_text="thousandths of the whole card this share used")
+
+    class Meta:
+        ordering = ["time", "id"]
+        default_permissions = ()
+        indexes = [models.Index(fields=["time"])]
+        constraints = [models.UniqueConstraint(fields=["binding", "time"], name="one_sample_per_binding_instant")]
+
+    def __str__(self) -> str:
+        return f"{self.binding_id} @ {self.time:%Y-%m-%d %H:%M:%S}: {self.used_milli}/1000"
