@@ -14,6 +14,7 @@ def _nav(user) -> list[dict]:
 
     if not user.is_authenticated:
         return []
+    access.prime(user)  # every permission question below from two queries, not one each
     perms = access.platform_perms(user)
     items = [{"label": "Dashboard", "url": reverse("home")}]
     if "view_all_tenants" in perms or access.project_ids(user, "view_project_jobs"):

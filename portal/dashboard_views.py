@@ -18,6 +18,7 @@ from django.utils import timezone
 from django.utils.http import urlencode
 
 from portal import dashboard
+from tenants import access
 
 POLL_SECONDS = {"alarms": 10, "quota": 10, "queue": 10, "usage": 60}
 
@@ -28,6 +29,9 @@ def _panel_urls(scope) -> dict[str, str]:
 
 def dashboard_page(request):
     user = request.user
+    # the page asks ~14 project/tenant permission questions (panels + navigation): answer them
+    # all from two queries instead of one guardian query each
+    access.prime(user)
     raw = request.GET.get("scope")
     panel = request.GET.get("panel")
     if request.htmx and panel in dashboard.PANELS and raw:

@@ -9,6 +9,7 @@ from tenants.urls import platform_urlpatterns
 urlpatterns = [
     path("", views.home, name="home"),
     path("healthz", views.healthz, name="healthz"),
+    path("ping", views.ping, name="ping"),  # trivial signed-in page: the benchmarks' baseline
     path("readyz", views.readyz, name="readyz"),
     path("login/", views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),

@@ -76,6 +76,16 @@ class LoginView(auth_views.LoginView):
 
 
 @login_required
+def ping(request):
+    """The trivial signed-in page benchmarks compare against (BENCHMARKS.md section 3): session,
+    user, navigation and the base template, no data of its own."""
+    from tenants import access
+
+    access.prime(request.user)  # as the dashboard does: the navigation's permission questions in two queries
+    return render(request, "portal/ping.html")
+
+
+@login_required
 def home(request):
     from portal.dashboard_views import dashboard_page
 

@@ -21,7 +21,7 @@ import uuid
 import requests
 from django.conf import settings
 from django.db import DatabaseError
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from django.http import JsonResponse, StreamingHttpResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -116,12 +116,40 @@ def _json_body(request) -> dict:
     if len(raw) > MAX_BODY:
         raise GatewayError(413, f"Request body too large (limit {MAX_BODY} bytes).", code="request_too_large")
     try:
-        body = json.loads(raw)
-    except ValueError:
+        # NaN/Infinity and 1e999 are not JSON (RFC 8259) and could not be forwarded; a deeply
+        # nested body exhausts the parser's recursion: both are the client's malformed JSON
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+    except (ValueError, RecursionError):
         raise GatewayError(400, "The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
     return body
+
+
+def _not_json(token: str):
+    raise ValueError(f"{token} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError("number out of range")
+    return value
+
+
+MAX_TOKENS_LIMIT = 1_000_000
+
+
+def _check_generation_params(body: dict) -> None:
+    """Refuse what no model server can honour, before it costs an upstream call."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
+            raise GatewayError(400, f"'{name}' must be an integer from 1 to {MAX_TOKENS_LIMIT}.", param=name)
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise GatewayError(400, "'stream' must be true or false.", param="stream")
 
 
 def _reachable(key: ApiKey, service: ModelService) -> bool:
@@ -132,8 +160,12 @@ def _reachable(key: ApiKey, service: ModelService) -> bool:
 def _service(key: ApiKey, model) -> ModelService:
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "Say which model to call in 'model'.", param="model", code="missing_model")
-    # tenant from the key, in the query itself: another tenant's service of the same name is not found
-    service = ModelService.objects.filter(tenant_id=key.tenant_id, slug=model).first()
+    # tenant from the key, in the query itself: another tenant's service of the same name is not
+    # found; the key's scope comes back in the same query (one round trip per request, not two)
+    service = (ModelService.objects.filter(tenant_id=key.tenant_id, slug=model)
+               .annotate(_in_key_scope=Exists(_scope_rows(key).filter(modelservice_id=OuterRef("pk"))))
+               .order_by()[:1])  # (tenant, slug) is unique: no ORDER BY to plan
+    service = service[0] if service else None
     if service is None or not _reachable(key, service):
         raise GatewayError(404, f"The model '{model[:80]}' does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
@@ -141,8 +173,15 @@ def _service(key: ApiKey, model) -> ModelService:
     return service
 
 
+def _scope_rows(key: ApiKey):
+    return ApiKey.services.through.objects.filter(apikey_id=key.pk)
+
+
 def _require_scope(key: ApiKey, service: ModelService) -> None:
-    if not key.services.filter(pk=service.pk).exists():
+    in_scope = getattr(service, "_in_key_scope", None)
+    if in_scope is None:
+        in_scope = _scope_rows(key).filter(modelservice_id=service.pk).exists()
+    if not in_scope:
         raise GatewayError(403, f"This API key is not allowed to call '{service.slug}'.", param="model",
                            code="scope_denied", type_="permission_error")
 
@@ -361,6 +400,7 @@ def chat_completions(request):
     service = _service(key, body.get("model"))
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise GatewayError(400, "'messages' must be a non-empty list.", param="messages")
+    _check_generation_params(body)
     return _proxy(request, key, service, body, "chat", "/chat/completions")
 
 
@@ -371,6 +411,7 @@ def completions(request):
     service = _service(key, body.get("model"))
     if not isinstance(body.get("prompt"), (str, list)):
         raise GatewayError(400, "'prompt' must be a string or a list of strings.", param="prompt")
+    _check_generation_params(body)
     return _proxy(request, key, service, body, "completions", "/completions")
 
 
@@ -404,6 +445,7 @@ def application_chat(request, slug: str):
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise GatewayError(400, "'messages' must be a non-empty list of message objects.", param="messages")
+    _check_generation_params(body)
     question = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
     kb_ids = list(_key_kbs(key).filter(pk__in=app.knowledge_bases.values("pk")).values_list("pk", flat=True))
     hits = svc.search_chunks(tenant_id=key.tenant_id, kb_ids=kb_ids,

@@ -481,7 +481,10 @@ def authenticate_key(raw: str) -> ApiKey:
     if not keymat.well_formed(raw):
         raise KeyRejected("Malformed API key.")
     digest = keymat.digest(raw)
-    key = (ApiKey.objects.select_related("project__tenant", "created_by").filter(digest=digest).first())
+    # one query for the key, its project, tenant, creator and the project's limits (read by _admit)
+    key = (ApiKey.objects.select_related("project__tenant", "project__serving_limits", "created_by")
+           .filter(digest=digest).order_by()[:1])  # digest is unique: no ORDER BY
+    key = key[0] if key else None
     if key is None or not keymat.matches(raw, key.digest):
         raise KeyRejected("Invalid API key.")
     now = timezone.now()
@@ -495,7 +498,7 @@ def authenticate_key(raw: str) -> ApiKey:
     if key.project.tenant.state != TenantState.ACTIVE:
         raise KeyRejected("The tenant of this API key is suspended.", status=403, code="tenant_suspended")
     creator = key.created_by
-    if not creator.is_active or not access.can(creator, USE_PERM, key.project):
+    if not creator.is_active or not access.holds_project_perm(creator, USE_PERM, key.project_id):
         raise KeyRejected("The person who created this key no longer belongs to its project.")
     if key.last_used is None or now - key.last_used > LAST_USED_RESOLUTION:
         ApiKey.objects.filter(pk=key.pk).update(last_used=now)
@@ -512,7 +515,11 @@ def month_start(t: dt.datetime) -> dt.datetime:
 
 
 def limits_for(project: Project) -> ServingLimits:
-    limits = ServingLimits.objects.filter(project=project).first()
+    rel = Project.serving_limits.related
+    if rel.is_cached(project):  # loaded with the key by authenticate_key (None: no row)
+        limits = rel.get_cached_value(project)
+    else:
+        limits = ServingLimits.objects.filter(project=project).first()
     if limits is None:
         limits = ServingLimits(
             project=project, tenant_id=project.tenant_id,

@@ -244,6 +244,86 @@ def can(user, perm: str, obj) -> bool:
     raise TypeError(f"permission checks are on tenants and projects, not {type(obj).__name__}")
 
 
+def prime(user) -> None:
+    """Fill this request's cache of project_ids()/tenant_ids() for EVERY project and tenant
+    permission in two queries, instead of one guardian query per permission asked.
+
+    A page that asks about many permissions (the navigation alone asks about ~8, the dashboard
+    about ~6 more) calls this first. The answers are exactly those of project_ids() and
+    tenant_ids(): object permissions through role groups or held directly, no global perms,
+    nothing for an inactive or anonymous user. Same per-request lifetime as the rest of the cache.
+    """
+    if user is None or not user.is_authenticated or not user.is_active:
+        return
+    from django.contrib.contenttypes.models import ContentType
+
+    from tenants.models import (
+        Project,
+        ProjectGroupObjectPermission,
+        ProjectUserObjectPermission,
+        Tenant,
+        TenantGroupObjectPermission,
+        TenantUserObjectPermission,
+    )
+
+    cache = _cache(user)
+    for kind, model, via_group, via_user in (
+        ("project", Project, ProjectGroupObjectPermission, ProjectUserObjectPermission),
+        ("tenant", Tenant, TenantGroupObjectPermission, TenantUserObjectPermission),
+    ):
+        codenames = [codename for codename, _ in model._meta.permissions]
+        if all((kind, c) in cache for c in codenames):
+            continue
+        ctype = ContentType.objects.get_for_model(model)  # cached per process by Django
+        cols = ("permission__codename", "content_object_id")
+        rows = via_group.objects.filter(group__user=user, permission__content_type=ctype).values_list(*cols).union(
+            via_user.objects.filter(user=user, permission__content_type=ctype).values_list(*cols))
+        found: dict[str, set[int]] = {c: set() for c in codenames}
+        for codename, obj_id in rows:
+            found.setdefault(codename, set()).add(obj_id)
+        for codename, ids in found.items():
+            cache.setdefault((kind, codename), frozenset(ids))
+
+
+def holds_project_perm(user, perm: str, project_id: int) -> bool:
+    """The same answer as `can(user, perm, project)` for ONE project, in one indexed query.
+
+    For hot paths that ask once per request about one project (the API gateway checks its key
+    creator's membership at every call): guardian's get_objects_for_user builds and runs a
+    query over every project the user reaches, ~10x the cost. Same sources as project_ids():
+    the project object permission through a role group or held directly, no global perms.
+    Never cached across requests, so a membership that ends stops the next call.
+    """
+    if user is None or not user.is_authenticated or not user.is_active:
+        return False
+    known = _cache(user).get(("project", perm))
+    if known is not None:
+        return project_id in known
+    from django.db import connection
+
+    from tenants.models import Project, ProjectGroupObjectPermission, ProjectUserObjectPermission
+
+    # hand-written because this runs at every gateway call and the ORM's query compilation
+    # costs more than the query; table names come from the models, values are parameters
+    perm_table = ProjectGroupObjectPermission._meta.get_field("permission").related_model._meta.db_table
+    ct_table = ProjectGroupObjectPermission._meta.get_field("permission").related_model._meta.get_field(
+        "content_type").related_model._meta.db_table
+    user_groups = user._meta.get_field("groups").remote_field.through._meta.db_table
+    sql = (
+        f"SELECT EXISTS (SELECT 1 FROM {ProjectGroupObjectPermission._meta.db_table} g "  # noqa: S608 (table names from model metadata, values are parameters)
+        f"JOIN {user_groups} ug ON ug.group_id = g.group_id "
+        f"JOIN {perm_table} p ON p.id = g.permission_id JOIN {ct_table} ct ON ct.id = p.content_type_id "
+        "WHERE g.content_object_id = %s AND ug.user_id = %s AND p.codename = %s AND ct.app_label = %s AND ct.model = %s"
+        f") OR EXISTS (SELECT 1 FROM {ProjectUserObjectPermission._meta.db_table} u "
+        f"JOIN {perm_table} p ON p.id = u.permission_id JOIN {ct_table} ct ON ct.id = p.content_type_id "
+        "WHERE u.content_object_id = %s AND u.user_id = %s AND p.codename = %s AND ct.app_label = %s AND ct.model = %s)"
+    )
+    label = (Project._meta.app_label, Project._meta.model_name)
+    with connection.cursor() as cur:
+        cur.execute(sql, [project_id, user.pk, perm, *label, project_id, user.pk, perm, *label])
+        return bool(cur.fetchone()[0])
+
+
 def is_vendor_only(user) -> bool:
     """A vendor account: holds grants and no tenant, project or platform role."""
     if not user.is_authenticated:
