@@ -16,6 +16,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 from api import tokens
 from api.forms import TokenForm
 from api.models import PersonalAccessToken
+from tenants import access
 
 
 def _page(request, form, *, created=None, secret=None, status=200):
@@ -28,6 +29,8 @@ def _page(request, form, *, created=None, secret=None, status=200):
 @login_required
 @require_http_methods(["GET", "POST"])
 def token_list(request):
+    if access.is_vendor_only(request.user):
+        raise Http404  # a vendor reaches its work order's nodes and cards only, never the API
     if request.method == "POST":
         form = TokenForm(request.POST)
         if form.is_valid():

@@ -210,9 +210,15 @@ def share_knowledge_base(actor, kb: KnowledgeBase, *, all_projects: bool, projec
 
 
 def may_upload(user, kb: KnowledgeBase) -> bool:
+    """Writing a document needs a role in the knowledge base's own tenant: its admins, or a
+    user of model services in a project the base is shared with. Platform read access (which
+    sees every tenant's bases) never reaches writing into them."""
     if access.can(user, KB_ADMIN_PERM, kb.tenant):
         return True
-    return kbs_for_user(user).filter(pk=kb.pk).exists()
+    use_projects = Project.objects.filter(pk__in=access.project_ids(user, USE_PERM), tenant_id=kb.tenant_id)
+    if kb.all_projects:
+        return use_projects.exists()
+    return kb.projects.filter(pk__in=use_projects.values("pk")).exists()
 
 
 def extract_text(filename: str, content_type: str, data: bytes) -> str:

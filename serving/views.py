@@ -91,8 +91,7 @@ def _lifecycle(request, pk: int, action):
         action(request.user, service)
     except ValidationError as exc:
         messages.error(request, " ".join(exc.messages))
-    except PermissionDenied as exc:
-        messages.error(request, str(exc))
+    # a PermissionDenied (visible service, no right to publish or retire) answers 403, as everywhere
     return redirect("serving:service_detail", pk=service.pk)
 
 
@@ -194,8 +193,7 @@ def kb_upload(request, pk: int):
                                           content_type=upload.content_type or "", data=upload.read())
             except ValidationError as exc:
                 messages.error(request, " ".join(exc.messages))
-            except PermissionDenied as exc:
-                messages.error(request, str(exc))
+            # a PermissionDenied (a base in reach to read, not to write) answers 403, as everywhere
             else:
                 messages.success(request, f"{doc.title}: {doc.chunk_count} chunks indexed.")
     else:
