@@ -31,7 +31,8 @@ class JobForm(forms.Form):
     time_limit_minutes = forms.IntegerField(min_value=1, max_value=60 * 24 * 14, initial=24 * 60,
                                             label="Time limit (minutes)")
 
-    DEPENDENT = ("project", "spec", "replicas")  # a change re-renders the fields through htmx
+    DEPENDENT = ("project", "spec", "replicas")  # a change re-renders the choices through htmx
+    REFRESHED = ("project", "spec", "priority_class", "replicas")  # what that re-render replaces
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,8 +55,9 @@ class JobForm(forms.Form):
         self.chosen_spec = self._chosen(specs, "spec")
         for name in self.DEPENDENT:
             self.fields[name].widget.attrs.update({
-                "hx-post": reverse("scheduling:job_create"), "hx-target": "#job-form-fields",
-                "hx-swap": "outerHTML", "hx-include": "closest form", "hx-trigger": "change",
+                "hx-post": reverse("scheduling:job_create"), "hx-target": "#job-form-dependent",
+                "hx-select": "#job-form-dependent", "hx-swap": "outerHTML", "hx-include": "closest form",
+                "hx-trigger": "change",
             })
 
     def _raw(self, name):

@@ -3,36 +3,18 @@ the dashboard under the Content Security Policy, htmx live updates, keyboard rea
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+from portal.tests.conftest import needs_chromium
+
 ARTIFACTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (.ci/run installs it)"),
+    needs_chromium,
 ]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    # Playwright's sync API runs an event loop in this thread; the ORM calls made by the
-    # test itself are ordinary synchronous ones.
-    os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-        )
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -7,40 +7,22 @@ step leaves a screenshot in var/screenshots/, and the Content Security Policy mu
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 from django.core.management import call_command
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+from portal.tests.conftest import needs_chromium
+
 SHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
 DEMO_PASSWORD = "atrium-demo"
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (.ci/run installs it)"),
+    needs_chromium,
 ]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    # Playwright's sync API runs an event loop in this thread; the ORM calls the test makes
-    # itself (seeding, run_cycle) are ordinary synchronous ones.
-    os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-        )
-        yield browser
-        browser.close()
 
 
 def new_page(browser, width=1280, height=900):
@@ -85,11 +67,17 @@ def submit(page, live_server, *, spec: str, priority: str, name: str, replicas: 
     except AssertionError:
         page.get_by_role("button", name="Submit").click()
         expect(options).to_have_count(1)
-    page.get_by_label("Resource spec").select_option(label=spec)
+    # a changed choice re-renders the dependent choices: wait for that before the next one,
+    # as a person would see the page update
+    with page.expect_response(lambda r: r.url.endswith("/scheduling/jobs/new/") and r.request.method == "POST"):
+        page.get_by_label("Resource spec").select_option(label=spec)
+    if replicas != 1:
+        with page.expect_response(lambda r: r.url.endswith("/scheduling/jobs/new/") and r.request.method == "POST"):
+            page.get_by_label("Replicas").fill(str(replicas))
+            page.get_by_label("Replicas").blur()
     page.get_by_label("Priority class").select_option(label=priority)
     page.get_by_label("Name").fill(name)
     page.get_by_label("Command").fill("python train.py --epochs 1")
-    page.get_by_label("Replicas").fill(str(replicas))
     page.get_by_label("Expected run time (minutes)").fill("30")
     page.get_by_role("button", name="Submit").click()
     page.wait_for_url(re.compile(r"/scheduling/jobs/\d+/$"))
