@@ -17,6 +17,7 @@ from ninja import Field, Query, Schema
 
 from api import ratelimit
 from api.problems import ApiProblem, documented
+from api.schemas import NO_NUL
 from metering import services as metering
 from metering.models import Report, ReportGrouping, ReportMode, UsageRecord
 from tenants import access
@@ -51,7 +52,7 @@ class ReportIn(Schema):
     period_end: dt.date = Field(description="exclusive")
     grouping: ReportGrouping = ReportGrouping.PROJECT
     mode: ReportMode = ReportMode.SHOWBACK
-    tenant: str | None = Field(None, description="tenant slug; empty = every tenant you may see")
+    tenant: str | None = Field(None, max_length=40, pattern=NO_NUL, description="tenant slug; empty = every tenant you may see")
     project: int | None = Field(None, description="project id (narrower than tenant)")
 
 
@@ -100,7 +101,7 @@ def register(api) -> None:
     @api.get("/usage", response={200: UsageOut, **documented(401, 403, 422)}, tags=["usage"],
              summary="Card-hours and cost of one month, per project and accelerator model, and per day")
     def usage_month(request, month: str = Query(..., pattern=r"^\d{4}-\d{2}$", description="YYYY-MM"),
-                    tenant: str = Query("", max_length=40), project: int | None = None):
+                    tenant: str = Query("", max_length=40, pattern=NO_NUL), project: int | None = None):
         try:
             first = dt.date(int(month[:4]), int(month[5:7]), 1)
         except ValueError:
@@ -164,8 +165,13 @@ def register(api) -> None:
         return _report_out(access.get_visible_or_404(request.user, Report.objects.select_related("tenant", "project"),
                                                      pk=report_id))
 
+    binary = {"schema": {"type": "string", "format": "binary"}}
+
     @api.get("/reports/{report_id}/download", response={200: None, **documented(401, 403, 404, 409, 422)},
-             tags=["reports"], summary="Download a finished report (csv, xlsx or FOCUS csv)")
+             tags=["reports"], summary="Download a finished report (csv, xlsx or FOCUS csv)",
+             # the file is not JSON: document its media types so clients (and schemathesis) know them
+             openapi_extra={"responses": {200: {"description": "the report file, as an attachment", "content": {
+                 "text/csv": binary, "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet": binary}}}})
     def report_download(request, report_id: int, format: str = Query("csv", pattern="^(csv|xlsx|focus)$")):
         report = access.get_visible_or_404(request.user, Report, pk=report_id)
         field = {"csv": report.csv_file, "xlsx": report.xlsx_file, "focus": report.focus_file}[format]

@@ -7,11 +7,17 @@ caller could not see on its own (a job names its project, never the other jobs o
 from __future__ import annotations
 
 import datetime as dt
+from typing import Annotated
 
 from ninja import Field, Schema
 
 from api.models import TokenScope
 from scheduling.models import JobState
+
+# Django's form fields refuse NUL characters (ProhibitNullCharactersValidator) because PostgreSQL
+# cannot store them in text or jsonb; every free-text input of the API says and enforces the same.
+NO_NUL = r"^[^\x00]*$"
+Text = Annotated[str, Field(pattern=NO_NUL)]
 
 
 class Me(Schema):
@@ -59,19 +65,19 @@ class PriorityClassOut(Schema):
 
 class JobIn(Schema):
     project: str = Field(description='project id, "tenant/project" or a project slug unique among your projects',
-                         min_length=1, max_length=90)
-    spec: str = Field(description="resource spec name or id", min_length=1, max_length=40)
-    priority_class: str = Field(description="priority class name", min_length=1, max_length=30)
-    name: str = Field("", max_length=120, description="defaults to the command's program name")
-    image: str = Field(min_length=1, max_length=300)
-    command: list[str] = Field(min_length=1, max_length=200)
+                         min_length=1, max_length=90, pattern=NO_NUL)
+    spec: str = Field(description="resource spec name or id", min_length=1, max_length=40, pattern=NO_NUL)
+    priority_class: str = Field(description="priority class name", min_length=1, max_length=30, pattern=NO_NUL)
+    name: str = Field("", max_length=120, pattern=NO_NUL, description="defaults to the command's program name")
+    image: str = Field(min_length=1, max_length=300, pattern=NO_NUL)
+    command: list[Text] = Field(min_length=1, max_length=200)
     replicas: int = Field(1, ge=1, le=64)
     expected_minutes: int = Field(60, ge=1, le=60 * 24 * 30)
     time_limit_minutes: int = Field(24 * 60, ge=1, le=60 * 24 * 30)
 
 
 class CancelIn(Schema):
-    reason: str = Field("", max_length=300)
+    reason: str = Field("", max_length=300, pattern=NO_NUL)
 
 
 class JobOut(Schema):
@@ -167,7 +173,7 @@ class AuditPage(Schema):
 
 
 class TokenIn(Schema):
-    name: str = Field(min_length=1, max_length=80)
+    name: str = Field(min_length=1, max_length=80, pattern=NO_NUL)
     scope: TokenScope = TokenScope.READ
     expires_in_days: int = Field(30, ge=1, le=365)
 

@@ -26,6 +26,7 @@ from api.auth import AUTH, caller_scope, require_scope
 from api.models import PersonalAccessToken, TokenScope
 from api.problems import CONTENT_TYPE, ApiProblem, Problem, documented, install
 from api.schemas import (
+    NO_NUL,
     AuditPage,
     CancelIn,
     JobDetail,
@@ -135,12 +136,17 @@ def _field_error(field: str, message: str) -> ApiProblem:
     return ApiProblem("validation-error", f"{field}: {message}", errors=[{"field": field, "message": message}])
 
 
+def _is_id(raw: str) -> bool:
+    # str.isdigit() is also true for "³" or "١", which int() refuses: ids are ASCII digits only
+    return raw.isascii() and raw.isdigit() and len(raw) <= 18
+
+
 def _resolve_project(user, raw: str) -> Project:
     """A project the caller can see, by id, "tenant/slug" or a slug unique among theirs.
     A project out of reach is answered exactly like one that does not exist."""
     visible = access.visible_to(user, Project).select_related("tenant")
     raw = raw.strip()
-    if raw.isdigit():
+    if _is_id(raw):
         found = list(visible.filter(pk=int(raw)))
     elif "/" in raw:
         tenant, _, slug = raw.partition("/")
@@ -156,7 +162,7 @@ def _resolve_project(user, raw: str) -> Project:
 
 def _resolve_spec(raw: str) -> ResourceSpec:
     specs = ResourceSpec.objects.filter(active=True)
-    spec = specs.filter(pk=int(raw)).first() if raw.isdigit() else specs.filter(name=raw).first()
+    spec = specs.filter(pk=int(raw)).first() if _is_id(raw) else specs.filter(name=raw).first()
     if spec is None:
         names = ", ".join(specs.values_list("name", flat=True)[:20])
         raise _field_error("spec", f"no active resource spec {raw!r} (choose one of: {names})")
@@ -224,7 +230,7 @@ def job_list(
     state: JobState | None = None,
     project: int | None = Query(None, description="project id"),
     mine: bool = Query(False, description="only jobs the caller submitted"),
-    q: str = Query("", max_length=120, description="part of the job name"),
+    q: str = Query("", max_length=120, pattern=NO_NUL, description="part of the job name"),
     limit: int = Query(25, ge=1, le=200),
     offset: int = Query(0, ge=0, le=1_000_000),
 ):
@@ -288,7 +294,7 @@ def job_cancel(request, job_id: int, payload: CancelIn | None = None):
 
 @api.get("/quotas", response={200: list[QuotaOut], **READ_ERRORS}, tags=["quotas"],
          summary="Quota lines of the caller's tenants and projects, with current use")
-def quota_list(request, tenant: str | None = Query(None, description="tenant slug"),
+def quota_list(request, tenant: str | None = Query(None, max_length=40, pattern=NO_NUL, description="tenant slug"),
                project: int | None = Query(None, description="project id")):
     from portal.dashboard import _allocated  # the measure the scheduling cycle admits against
 
@@ -327,10 +333,10 @@ def quota_list(request, tenant: str | None = Query(None, description="tenant slu
          summary="Audit events (security admins and auditors: all; tenant admins: their tenant)")
 def audit_list(
     request,
-    action: str = Query("", max_length=80, description="exact action, or a prefix ending in '.' (job.)"),
-    outcome: str = Query("", max_length=10),
-    tenant: str = Query("", max_length=40, description="tenant slug"),
-    since: str = Query("", max_length=40, description="ISO 8601 time; events at or after"),
+    action: str = Query("", max_length=80, pattern=NO_NUL, description="exact action, or a prefix ending in '.' (job.)"),
+    outcome: str = Query("", max_length=10, pattern=NO_NUL),
+    tenant: str = Query("", max_length=40, pattern=NO_NUL, description="tenant slug"),
+    since: str = Query("", max_length=40, pattern=NO_NUL, description="ISO 8601 time; events at or after"),
     limit: int = Query(50, ge=1, le=500),
     offset: int = Query(0, ge=0, le=1_000_000),
 ):
