@@ -96,15 +96,23 @@ def targets(world) -> list[dict]:
     objects = {**world.own, "spec": world.org.specs["h1"], "prio": world.org.prio["batch"]}
     names = {name for name, _ in url_patterns()}
     out = []
+    unlisted = {entry[0] for entry in UNLISTED}
     for name, spec in matrix.urls().items():
-        if name not in names or "post" not in spec:
+        if name not in names or "post" not in spec or name in unlisted:
             continue
         body = {**(spec.get("data") or {}), **EXTRA_FIELDS.get(name, {})}
         role = _acting_role(name)
         if not body or role is None:
             continue  # a bare POST (approve, remove, archive): nothing to fuzz
-        kwargs = {k: world.own[kind].pk for k, kind in spec.get("kwargs", {}).items()}
-        out.append({"name": name, "url": reverse(name, kwargs=kwargs), "role": role, "body": fill(body, objects)})
+        kinds = spec.get("kwargs", {})
+        if any(kind not in world.own for kind in kinds.values()):
+            continue  # an object this world does not build; such forms are listed in UNLISTED
+        try:
+            filled = fill(body, objects)
+        except KeyError:
+            continue  # the body names an object kind this world does not build
+        kwargs = {k: world.own[kind].pk for k, kind in kinds.items()}
+        out.append({"name": name, "url": reverse(name, kwargs=kwargs), "role": role, "body": filled})
     for name, role, kinds, body in UNLISTED:
         if name in names:
             kwargs = {k: world.own[kind].pk for k, kind in kinds.items()}
