@@ -192,3 +192,40 @@ class TokenOut(Schema):
 class TokenCreated(Schema):
     token: TokenOut
     secret: str = Field(description="the token itself; shown this once and never again")
+
+
+class ScopeRef(Schema):
+    id: int
+    slug: str
+
+
+class ApiKeyOut(Schema):
+    """A project's API key as people see it: never the secret, never its digest."""
+
+    id: int
+    name: str
+    prefix: str
+    state: str = Field(description="active, rotating out, expired or revoked")
+    services: list[ScopeRef]
+    knowledge_bases: list[ScopeRef]
+    created: dt.datetime
+    expires: dt.datetime | None
+    revoked: dt.datetime | None
+    last_used: dt.datetime | None
+    replaced_by: int | None = Field(description="the key that replaced this one on rotation")
+
+
+class ApiKeyIn(Schema):
+    name: str = Field(min_length=1, max_length=80, pattern=NO_NUL)
+    services: list[int] = Field([], max_length=100, description="ids of model services available to the project")
+    knowledge_bases: list[int] = Field([], max_length=100, description="ids of knowledge bases shared with the project")
+    expires: dt.datetime | None = Field(None, description="when the key stops working; none: never")
+
+
+class ApiKeyCreated(Schema):
+    key: ApiKeyOut
+    secret: str = Field(description="the key itself; shown this once and never again")
+
+
+class ApiKeyRevokeIn(Schema):
+    reason: str = Field("", max_length=200, pattern=NO_NUL)

@@ -1,4 +1,4 @@
-"""Atrium's JSON API, version 1 (django-ninja): jobs, catalogue, quotas, audit and tokens.
+"""Atrium's JSON API, version 1 (django-ninja): jobs, catalogue, quotas, audit, tokens and project API keys.
 
 Every endpoint is thin in the way the pages are: rows come from tenants.access.visible_to
 (so another tenant's object answers 404 exactly like a missing one), changes go through the
@@ -27,6 +27,10 @@ from api.models import PersonalAccessToken, TokenScope
 from api.problems import CONTENT_TYPE, ApiProblem, Problem, documented, install
 from api.schemas import (
     NO_NUL,
+    ApiKeyCreated,
+    ApiKeyIn,
+    ApiKeyOut,
+    ApiKeyRevokeIn,
     AuditPage,
     CancelIn,
     JobDetail,
@@ -44,6 +48,8 @@ from api.schemas import (
 from portal.models import AuditEvent
 from scheduling import services as sched
 from scheduling.models import Binding, Job, JobState, PriorityClass, Quota, QuotaResource, ResourceSpec
+from serving import services as serving
+from serving.models import ApiKey
 from tenants import access
 from tenants.models import PlatformRoleAssignment, Project
 
@@ -410,6 +416,109 @@ def token_revoke(request, token_id: int):
     if token.revoked is not None:
         raise ApiProblem("conflict", f"Token {token.prefix}… is already revoked.")
     return _token_out(tokens.revoke_token(request.user, token))
+
+
+# --- API keys of a project ------------------------------------------------------------------------
+# Keys belong to a project; managing them needs serving's KEY_PERM there. A project (or a key of
+# a project) outside the caller's reach is a 404; a project they see without KEY_PERM is a 403,
+# which for changes the service itself decides (deny() audits the refusal). The secret leaves
+# only in the answer of create and rotate; the services write the one audit event per change.
+
+
+def _key_out(key: ApiKey) -> dict:
+    return {"id": key.pk, "name": key.name, "prefix": key.prefix, "state": key.state,
+            "services": [{"id": s.pk, "slug": s.slug} for s in key.services.all()],
+            "knowledge_bases": [{"id": kb.pk, "slug": kb.slug} for kb in key.knowledge_bases.all()],
+            "created": key.created, "expires": key.expires, "revoked": key.revoked, "last_used": key.last_used,
+            "replaced_by": key.replaced_by_id}
+
+
+def _keys():
+    return ApiKey.objects.select_related("project__tenant").prefetch_related("services", "knowledge_bases")
+
+
+def _key_in_reach(user, key_id: int) -> ApiKey:
+    # A key of a project the caller sees is found (the service then says 403 without KEY_PERM);
+    # any other key answers exactly like a missing one.
+    visible = access.visible_to(user, Project).values("pk")
+    key = _keys().filter(pk=key_id, project__in=visible).first()
+    if key is None:
+        raise ApiProblem("not-found", "No such object, or it is outside your reach.")
+    return key
+
+
+def _pick(rows, ids: list[int], field: str, what: str) -> list:
+    found = {r.pk: r for r in rows.filter(pk__in=ids)}
+    unknown = [i for i in dict.fromkeys(ids) if i not in found]
+    if unknown:
+        raise _field_error(field, f"no {what} {unknown[0]} available to this project")
+    return [found[i] for i in dict.fromkeys(ids)]
+
+
+def _key_conflict(exc: ValidationError) -> None:
+    # the service's "key" errors are about the key's state (already rotated or revoked): a conflict
+    if hasattr(exc, "error_dict") and "key" in exc.error_dict:
+        raise ApiProblem("conflict", " ".join(exc.messages)) from exc
+    raise exc
+
+
+@api.get("/projects/{project_id}/api-keys", response={200: list[ApiKeyOut], **OBJECT_ERRORS}, tags=["api keys"],
+         summary="The project's API keys (never their secrets)")
+def api_key_list(request, project_id: int):
+    user = request.user
+    project = access.get_visible_or_404(user, Project.objects.select_related("tenant"), pk=project_id)
+    if not (access.can(user, serving.KEY_PERM, project) or access.has_platform_perm(user, "view_all_tenants")):
+        raise ApiProblem("forbidden", "Seeing this project's API keys needs the permission to manage them.")
+    keys = access.visible_to(user, _keys()).filter(project=project).order_by("-created", "-id")
+    return [_key_out(k) for k in keys]
+
+
+@api.post("/projects/{project_id}/api-keys", response={201: ApiKeyCreated, **CHANGE_ERRORS}, tags=["api keys"],
+          summary="Create an API key of the project (scope admin); the secret is in this answer only")
+def api_key_create(request, project_id: int, payload: ApiKeyIn):
+    _changing(request, TokenScope.ADMIN)
+    project = access.get_visible_or_404(request.user, Project.objects.select_related("tenant"), pk=project_id)
+    expires = payload.expires
+    if expires is not None:
+        if timezone.is_naive(expires):
+            expires = timezone.make_aware(expires, dt.UTC)
+        try:
+            expires = expires.astimezone(dt.UTC)
+        except OverflowError:
+            raise _field_error("expires", "not a date-time we can store") from None
+    # the service checks KEY_PERM first, so a caller without it learns nothing about services or KBs
+    if not access.can(request.user, serving.KEY_PERM, project):
+        serving.create_api_key(request.user, project=project, name=payload.name)  # raises PermissionDenied, audited
+    services = _pick(serving.services_for_project(project), payload.services, "services", "model service")
+    kbs = _pick(serving.kbs_for_project(project), payload.knowledge_bases, "knowledge_bases", "knowledge base")
+    key, secret = serving.create_api_key(request.user, project=project, name=payload.name.strip() or "key",
+                                         services=services, knowledge_bases=kbs, expires=expires)
+    return Status(201, {"key": _key_out(_keys().get(pk=key.pk)), "secret": secret})
+
+
+@api.post("/api-keys/{key_id}/rotate", response={201: ApiKeyCreated, **CHANGE_ERRORS}, tags=["api keys"],
+          summary="Rotate an API key (scope admin): a new key with the same scope; the old one stops after 24 h",
+          description="The new key's secret is in this answer only.")
+def api_key_rotate(request, key_id: int):
+    _changing(request, TokenScope.ADMIN)
+    key = _key_in_reach(request.user, key_id)
+    try:
+        new, secret = serving.rotate_api_key(request.user, key)
+    except ValidationError as exc:
+        _key_conflict(exc)
+    return Status(201, {"key": _key_out(_keys().get(pk=new.pk)), "secret": secret})
+
+
+@api.post("/api-keys/{key_id}/revoke", response={200: ApiKeyOut, **CHANGE_ERRORS}, tags=["api keys"],
+          summary="Revoke an API key at once (scope admin)")
+def api_key_revoke(request, key_id: int, payload: ApiKeyRevokeIn | None = None):
+    _changing(request, TokenScope.ADMIN)
+    key = _key_in_reach(request.user, key_id)
+    try:
+        serving.revoke_api_key(request.user, key, reason=(payload.reason if payload else "").strip())
+    except ValidationError as exc:
+        _key_conflict(exc)
+    return _key_out(_keys().get(pk=key.pk))
 
 
 __all__ = ["api", "Problem"]

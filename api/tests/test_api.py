@@ -177,18 +177,22 @@ def test_quotas_show_own_lines_with_current_use(org, issue, alpha_job):
 
 def test_every_route_answers_404_for_another_tenants_objects_exactly_like_a_missing_one(org, issue, alpha_job, beta_job,
                                                                                        reports):
+    from serving import services as svc
+
     user = org.people["alpha"]["admin"]  # the strongest tenant role of alpha
     own, secret = issue(user, "admin")
     beta_token, _ = issue(org.people["beta"]["admin"], "admin")
+    beta_key, _ = svc.create_api_key(org.people["beta"]["admin"], project=org.projects["beta"], name="beta-key")
     client = bearer(secret)
     other = {"job_id": beta_job.pk, "project_id": org.projects["beta"].pk, "token_id": beta_token.pk,
-             "report_id": reports["beta"].pk}
+             "report_id": reports["beta"].pk, "key_id": beta_key.pk}
     missing = {k: 999_999 for k in other}
     checked = 0
     for path, method, _op in schema_operations(client):
         if "{" not in path:
             continue
-        body = {"reason": "x"} if method == "post" else None
+        # a body every POST route accepts, so that the lookup (not body validation) answers
+        body = {"reason": "x", "name": "x"} if method == "post" else None
         calls = [getattr(client, method)(fill(path, ids), *([json.dumps(body)] if body else []),
                                          content_type="application/json") for ids in (other, missing)]
         foreign, absent = (problem(c, 404, "not-found") for c in calls)
@@ -198,6 +202,9 @@ def test_every_route_answers_404_for_another_tenants_objects_exactly_like_a_miss
     assert checked >= 4
     assert not PersonalAccessToken.objects.get(pk=beta_token.pk).revoked
     assert org.projects["beta"].jobs.get(pk=beta_job.pk).state == "pending"
+    beta_key.refresh_from_db()
+    assert beta_key.revoked is None and beta_key.replaced_by_id is None
+    assert beta_key.project.api_keys.count() == 1
 
 
 # Query parameters and body fields that name an object of a tenant: (beta's, a missing one) by

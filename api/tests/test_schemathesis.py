@@ -46,6 +46,7 @@ def world(transactional_db, org, issue, settings):
     """The objects the hand-written cases point at, all inside alpha, and the caller's token."""
     from metering import services as metering
     from scheduling import services as sched
+    from serving import services as serving
 
     # the fuzzer makes hundreds of changes in a minute; the rate limit has its own test
     settings.ATRIUM_API_RATE_LIMIT = "100000/60"
@@ -60,8 +61,11 @@ def world(transactional_db, org, issue, settings):
     metering.build_report(report.pk)
     own, secret = issue(admin, "admin", name="schemathesis")
     spare, _ = issue(admin, "read", name="to-revoke")
+    key_to_rotate, _ = serving.create_api_key(admin, project=org.projects["alpha"], name="to-rotate")
+    key_to_revoke, _ = serving.create_api_key(admin, project=org.projects["alpha"], name="to-revoke")
     return {"own": own, "secret": secret, "spare": spare, "job": job("kept"), "to_cancel": job("to-cancel"),
-            "project": org.projects["alpha"], "report": report}
+            "project": org.projects["alpha"], "report": report, "key_to_rotate": key_to_rotate,
+            "key_to_revoke": key_to_revoke}
 
 
 def known_good(world) -> dict[tuple[str, str], dict]:
@@ -82,6 +86,12 @@ def known_good(world) -> dict[tuple[str, str], dict]:
         ("GET", "/api/v1/reports/{report_id}"): {"path_parameters": {"report_id": world["report"].pk}},
         ("GET", "/api/v1/reports/{report_id}/download"): {"path_parameters": {"report_id": world["report"].pk},
                                                           "query": {"format": "csv"}},
+        ("GET", "/api/v1/projects/{project_id}/api-keys"): {"path_parameters": {"project_id": world["project"].pk}},
+        ("POST", "/api/v1/projects/{project_id}/api-keys"): {"path_parameters": {"project_id": world["project"].pk},
+                                                            "body": {"name": "fuzz"}, "media_type": "application/json"},
+        ("POST", "/api/v1/api-keys/{key_id}/rotate"): {"path_parameters": {"key_id": world["key_to_rotate"].pk}},
+        ("POST", "/api/v1/api-keys/{key_id}/revoke"): {"path_parameters": {"key_id": world["key_to_revoke"].pk},
+                                                      "body": {"reason": "schemathesis"}, "media_type": "application/json"},
     }
 
 
