@@ -99,6 +99,16 @@ def _held_roles(user, tenant: Tenant | None = None, project: Project | None = No
     return roles
 
 
+def _manages_members(actor, tenant: Tenant, project: Project | None = None) -> bool:
+    """Who may add, change and remove members: platform admins, the tenant's admins and, for a
+    project, its project admins."""
+    return (
+        access.has_platform_perm(actor, "manage_tenants")
+        or access.can(actor, "manage_tenant_members", tenant)
+        or (project is not None and access.can(actor, "manage_project_members", project))
+    )
+
+
 def _may_grant(actor, role: str, tenant: Tenant | None, project: Project | None) -> bool:
     """Never a role beyond one's own: GRANTABLE_BY lists what each held role may hand out."""
     if role in PLATFORM_ROLES:
@@ -169,7 +179,7 @@ def add_tenant_member(actor, tenant: Tenant, user, role: str, *, source: str = "
     if role not in TENANT_ROLES:
         raise ValidationError({"role": f"{role!r} is not a tenant role"})
     if source == "local":
-        if not (access.has_platform_perm(actor, "manage_tenants") or access.can(actor, "manage_tenant_members", tenant)):
+        if not _manages_members(actor, tenant):
             deny(actor, "membership.grant", "not an admin of this tenant", target=tenant, tenant=tenant)
         if not _may_grant(actor, role, tenant, None):
             deny(actor, "membership.grant", f"cannot grant {role}", target=tenant, tenant=tenant)
@@ -187,9 +197,7 @@ def add_tenant_member(actor, tenant: Tenant, user, role: str, *, source: str = "
 
 def remove_tenant_member(actor, membership: TenantMembership, *, source: str = "local") -> None:
     tenant = membership.tenant
-    if source == "local" and not (
-        access.has_platform_perm(actor, "manage_tenants") or access.can(actor, "manage_tenant_members", tenant)
-    ):
+    if source == "local" and not _manages_members(actor, tenant):
         deny(actor, "membership.revoke", "not an admin of this tenant", target=tenant, tenant=tenant)
     with transaction.atomic():
         membership.user.groups.remove(_tenant_group(tenant, membership.role))
@@ -203,12 +211,7 @@ def add_project_member(actor, project: Project, user, role: str, *, source: str 
     if role not in PROJECT_ROLES:
         raise ValidationError({"role": f"{role!r} is not a project role"})
     if source == "local":
-        allowed = (
-            access.has_platform_perm(actor, "manage_tenants")
-            or access.can(actor, "manage_tenant_members", project.tenant)
-            or access.can(actor, "manage_project_members", project)
-        )
-        if not allowed:
+        if not _manages_members(actor, project.tenant, project):
             deny(actor, "membership.grant", "not an admin of this project", target=project, project=project)
         if not _may_grant(actor, role, project.tenant, project):
             deny(actor, "membership.grant", f"cannot grant {role}", target=project, project=project)
@@ -230,11 +233,7 @@ def add_project_member(actor, project: Project, user, role: str, *, source: str 
 
 def remove_project_member(actor, membership: ProjectMembership, *, source: str = "local") -> None:
     project = membership.project
-    if source == "local" and not (
-        access.has_platform_perm(actor, "manage_tenants")
-        or access.can(actor, "manage_tenant_members", project.tenant)
-        or access.can(actor, "manage_project_members", project)
-    ):
+    if source == "local" and not _manages_members(actor, project.tenant, project):
         deny(actor, "membership.revoke", "not an admin of this project", target=project, project=project)
     with transaction.atomic():
         membership.user.groups.remove(_project_group(project, membership.role))
@@ -287,7 +286,7 @@ def change_tenant_member_role(actor, membership: TenantMembership, role: str) ->
     tenant = membership.tenant
     if role not in TENANT_ROLES:
         raise ValidationError({"role": f"{role!r} is not a tenant role"})
-    if not (access.has_platform_perm(actor, "manage_tenants") or access.can(actor, "manage_tenant_members", tenant)):
+    if not _manages_members(actor, tenant):
         deny(actor, "membership.change", "not an admin of this tenant", target=tenant, tenant=tenant)
     if not _may_grant(actor, role, tenant, None):
         deny(actor, "membership.change", f"cannot grant {role}", target=tenant, tenant=tenant)
@@ -313,12 +312,7 @@ def change_project_member_role(actor, membership: ProjectMembership, role: str) 
     project = membership.project
     if role not in PROJECT_ROLES:
         raise ValidationError({"role": f"{role!r} is not a project role"})
-    allowed = (
-        access.has_platform_perm(actor, "manage_tenants")
-        or access.can(actor, "manage_tenant_members", project.tenant)
-        or access.can(actor, "manage_project_members", project)
-    )
-    if not allowed:
+    if not _manages_members(actor, project.tenant, project):
         deny(actor, "membership.change", "not an admin of this project", target=project, project=project)
     if not _may_grant(actor, role, project.tenant, project):
         deny(actor, "membership.change", f"cannot grant {role}", target=project, project=project)
