@@ -15,6 +15,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 from django_tables2 import RequestConfig
 
+from portal.forms import add_service_errors
 from portal.rendering import render_page
 from portal.services import SudoRequired
 from scheduling import services
@@ -24,14 +25,6 @@ from scheduling.models import Accelerator, Binding, Job, Node
 from scheduling.tables import JobTable, NodeTable
 from tenants import access
 from tenants.models import Project
-
-
-def _form_errors_from(exc: ValidationError, form) -> None:
-    if hasattr(exc, "error_dict"):
-        for field, errors in exc.message_dict.items():
-            form.add_error(field if field in form.fields else None, errors)
-    else:
-        form.add_error(None, exc.messages)
 
 
 @login_required
@@ -83,7 +76,7 @@ def job_create(request):
                     expected_minutes=data["expected_minutes"], time_limit_minutes=data["time_limit_minutes"],
                 )
             except ValidationError as exc:
-                _form_errors_from(exc, form)
+                add_service_errors(form, exc)
             except PermissionDenied as exc:
                 # the service refused (and audited it); name the field when it was the class
                 refused_class = data["priority_class"].pk not in form.allowed_priority_pks

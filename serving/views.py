@@ -19,20 +19,13 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 from django_tables2 import RequestConfig
 
+from portal.forms import add_service_errors
 from portal.rendering import render_page
 from serving import forms as f
 from serving import services as svc
 from serving.models import ApiKey, Application, TokenUsage
 from serving.tables import ApiKeyTable, ApplicationTable, KnowledgeBaseTable, ModelServiceTable
 from tenants import access
-
-
-def _errors_into(exc: ValidationError, form) -> None:
-    if hasattr(exc, "error_dict"):
-        for field, errors in exc.message_dict.items():
-            form.add_error(field if field in form.fields else None, errors)
-    else:
-        form.add_error(None, exc.messages)
 
 
 def _table(request, table, per_page=25):
@@ -77,7 +70,7 @@ def service_create(request):
         try:
             service = svc.create_model_service(request.user, **form.cleaned_data)
         except ValidationError as exc:
-            _errors_into(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"Model service {service.slug} created as a draft.")
             return redirect("serving:service_detail", pk=service.pk)
@@ -129,7 +122,7 @@ def application_create(request):
         try:
             app = svc.create_application(request.user, **form.cleaned_data)
         except ValidationError as exc:
-            _errors_into(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"Application {app.slug} created: POST /v1/applications/{app.slug}/chat")
             return redirect("serving:application_list")
@@ -159,7 +152,7 @@ def kb_create(request):
         try:
             kb = svc.create_knowledge_base(request.user, **form.cleaned_data)
         except ValidationError as exc:
-            _errors_into(exc, form)
+            add_service_errors(form, exc)
         else:
             return redirect("serving:kb_detail", pk=kb.pk)
     return render(request, "serving/form.html", {"form": form, "title": "New knowledge base"},
@@ -243,7 +236,7 @@ def key_create(request):
                 knowledge_bases=data["knowledge_bases"], expires=form.expires(),
                 requests_per_minute=data["requests_per_minute"], tokens_per_minute=data["tokens_per_minute"])
         except ValidationError as exc:
-            _errors_into(exc, form)
+            add_service_errors(form, exc)
         else:
             return _show_secret(request, key, secret, "API key created")
     return render(request, "serving/form.html", {"form": form, "title": "New API key"},

@@ -23,6 +23,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 from django_tables2 import RequestConfig
 
+from portal.forms import add_service_errors
 from portal.rendering import render_page
 from portal.services import SudoRequired, deny
 from scheduling import services as sched
@@ -73,15 +74,6 @@ from tenants.tables import (
 )
 
 # --- helpers ------------------------------------------------------------------------------
-
-
-def _form_errors_from(exc: ValidationError, form) -> None:
-    """Put a service's ValidationError on the form field it names (or the whole form)."""
-    if hasattr(exc, "error_dict"):
-        for field, errors in exc.message_dict.items():
-            form.add_error(field if field in form.fields else None, errors)
-    else:
-        form.add_error(None, exc.messages)
 
 
 def _sudo_redirect(request, page: str):
@@ -186,7 +178,7 @@ def member_add(request, pk: int):
             else:
                 services.add_project_member(request.user, data["project"], user, data["role"])
         except ValidationError as exc:
-            _form_errors_from(exc, form)
+            add_service_errors(form, exc)
         else:
             where = data["project"] or tenant
             messages.success(request, f"{user.get_username()} is now {data['role']} of {where}.")
@@ -267,7 +259,7 @@ def project_create(request, pk: int):
         try:
             project = services.create_project(request.user, tenant, **form.cleaned_data)
         except ValidationError as exc:
-            _form_errors_from(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"Project {project} created.")
             return redirect("tenants:project_list", pk=tenant.pk)
@@ -332,7 +324,7 @@ def quota_split_set(request, pk: int):
                             accelerator_model=line.accelerator_model, guaranteed=data["guaranteed"],
                             limit=data["limit"])
         except ValidationError as exc:
-            _form_errors_from(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"{data['project']} now has {_amount(data['guaranteed'])}/{_amount(data['limit'])} "
                                       f"of {line_label(line)}.")
@@ -368,7 +360,7 @@ def platform_tenant_create(request):
         try:
             tenant = services.create_tenant(request.user, **form.cleaned_data)
         except ValidationError as exc:
-            _form_errors_from(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"Tenant {tenant.slug} created.")
             return redirect("platform:tenant_list")
@@ -419,7 +411,7 @@ def platform_quota_set(request):
         except SudoRequired:
             return _sudo_redirect(request, reverse("platform:quota_list"))
         except ValidationError as exc:
-            _form_errors_from(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"Quota of {data['tenant']} set to {_amount(data['guaranteed'])}/{_amount(data['limit'])}.")
             return redirect("platform:quota_list")
@@ -456,7 +448,7 @@ def platform_role_grant(request):
         except SudoRequired:
             return _sudo_redirect(request, reverse("platform:role_list"))
         except ValidationError as exc:
-            _form_errors_from(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"{user.get_username()} is now {form.cleaned_data['role']}.")
             return redirect("platform:role_list")
@@ -511,7 +503,7 @@ def workorder_create(request):
         try:
             order = services.open_work_order(request.user, **form.cleaned_data)
         except ValidationError as exc:
-            _form_errors_from(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"{order} opened.")
             return redirect("platform:workorder_detail", pk=order.pk)
@@ -557,7 +549,7 @@ def grant_request(request, pk: int):
             services.request_vendor_grant(request.user, work_order=order, vendor=vendor, starts=data["starts"],
                                           expires=data["expires"])
         except ValidationError as exc:
-            _form_errors_from(exc, form)
+            add_service_errors(form, exc)
         else:
             messages.success(request, f"Access for {vendor.get_username()} requested; a security admin approves it.")
             return redirect("platform:workorder_detail", pk=order.pk)
