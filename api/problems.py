@@ -64,7 +64,8 @@ class ApiProblem(Exception):
 
     def __init__(self, slug: str, detail: str, *, errors: list[dict] | None = None, headers: dict | None = None,
                  retry_after: int | None = None):
-        assert slug in PROBLEMS, slug
+        if slug not in PROBLEMS:  # a programming error, checked even under python -O
+            raise ValueError(f"unknown problem kind {slug!r}")
         super().__init__(detail)
         self.slug, self.detail, self.errors, self.headers, self.retry_after = slug, detail, errors, headers or {}, retry_after
 

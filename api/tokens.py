@@ -23,7 +23,7 @@ from django.utils import timezone
 from api.models import SCOPE_ORDER, PersonalAccessToken, TokenScope
 from portal import audit
 
-TOKEN_PREFIX = "atp_"
+TOKEN_PREFIX = "atp_"  # nosec B105 # the public marker of the token kind, not a secret
 MAX_DAYS = 365
 # last_used is a hint for people reviewing their tokens; writing it on every call would
 # turn each read into a write, so it is refreshed at most once a minute.

@@ -23,7 +23,7 @@ if (BASE_DIR / ".env").exists():
 DEBUG = env.bool("DEBUG", default=False)
 TESTING = env.bool("ATRIUM_TESTING", default=False)
 
-_DEV_SECRET = "atrium-development-only-secret-key-never-use-in-production-0123456789"
+_DEV_SECRET = "atrium-development-only-secret-key-never-use-in-production-0123456789"  # nosec B105 # DEBUG=1 only (below)
 SECRET_KEY = env.str("SECRET_KEY", default="")
 if not SECRET_KEY:
     if not DEBUG:

@@ -131,7 +131,7 @@ class Handler(BaseHTTPRequestHandler):
             reply_words = reply_words[:max_tokens]
         completion = len(reply_words)
         model = body.get("model", "")
-        rid = "cmpl-" + hashlib.sha1(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]  # noqa: S324 (an id, not security)
+        rid = "cmpl-" + hashlib.sha1(json.dumps(body, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:16]  # an id
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if body.get("stream"):
             self._stream(body, rid, model, reply_words, usage, marks, chat=chat)

@@ -45,7 +45,7 @@ class Client:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310 (http(s) checked in __init__)
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310 # nosec B310 # http(s) checked in __init__
                 content = resp.read()
                 if raw:
                     return content

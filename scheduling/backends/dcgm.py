@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -168,8 +169,11 @@ class ExporterError(Exception):
 
 def fetch(url: str, timeout: float) -> str:
     """The exporter's text; raises ExporterError with a sentence when it cannot be read."""
+    # urlopen would also read file:// and ftp:// URLs: a mistyped setting must not read local files
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise ExporterError(f"the DCGM exporter URL {url!r} is not an http(s) URL")
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (operator-configured URL)
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 # nosec B310 # http(s) checked above
             if resp.status != 200:
                 raise ExporterError(f"the DCGM exporter at {url} answered HTTP {resp.status}")
             return resp.read().decode("utf-8", "replace")

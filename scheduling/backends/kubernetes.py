@@ -390,7 +390,7 @@ def dns_label(text: str, limit: int = 63) -> str:
     clean = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
     if len(clean) <= limit:
         return clean
-    digest = hashlib.sha1(text.encode()).hexdigest()[:8]  # noqa: S324 (a name, not a secret)
+    digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:8]  # a name suffix, not a secret
     return f"{clean[: limit - 9].rstrip('-')}-{digest}"
 
 

@@ -79,7 +79,7 @@ class PlacementContext:
     scores stay valid across calls because they are keyed by state, not by node."""
 
     typical: TypicalPods | None = None
-    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    rng: random.Random = field(default_factory=lambda: random.Random(0))  # nosec B311 # reproducible placement, not a secret
     # Equally scored nodes go to the lowest rank (then name), as in the FGD simulator, whose
     # scheduler takes the lexicographically first of the tied nodes. A fixed order packs:
     # ties keep landing on the same nodes instead of spreading over the fleet.
@@ -295,7 +295,8 @@ def _pick_cards(node: Node, request: Request, policy: str, ctx: PlacementContext
         return Placement(node=node.name, gpus=(), milli=0)
     if not _is_share(request):
         idxs = _whole_cards(node, request)
-        assert idxs is not None
+        if idxs is None:  # callers pick only nodes that fit; kept as a check under python -O too
+            raise ValueError(f"node {node.name} has no idle cards for a whole-card request")
         return Placement(node=node.name, gpus=idxs, milli=MILLI)
     cands = [
         g

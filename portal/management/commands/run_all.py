@@ -47,12 +47,12 @@ class Command(BaseCommand):
         self.stdout.write("Ctrl-C stops the web server, the worker and the scheduler loop.\n")
         manage = [sys.executable, str(settings.BASE_DIR / "manage.py")]
         procs = [
-            subprocess.Popen([*manage, "runserver", "--noreload", addr]),
-            subprocess.Popen([*manage, "rqworker", "scheduling", "metering", "reports", "default",
+            subprocess.Popen([*manage, "runserver", "--noreload", addr]),  # nosec B603 # our own manage.py, no shell
+            subprocess.Popen([*manage, "rqworker", "scheduling", "metering", "reports", "default",  # nosec B603 # our own manage.py
                               "--worker-class", "rq.worker.SimpleWorker", "--verbosity", "0"]),
-            subprocess.Popen([*manage, "run_scheduler"]),
+            subprocess.Popen([*manage, "run_scheduler"]),  # nosec B603 # our own manage.py, no shell
             # the demo's model server behind the chat-assistant service (OpenAI-compatible)
-            subprocess.Popen([*manage, "run_upstream", "--port", "8001"]),
+            subprocess.Popen([*manage, "run_upstream", "--port", "8001"]),  # nosec B603 # our own manage.py, no shell
         ]
         stopping = False
 

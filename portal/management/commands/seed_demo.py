@@ -25,7 +25,7 @@ from scheduling.models import Accelerator, HealthEventKind, Job, PriorityClass, 
 from tenants import services as tenancy
 from tenants.models import Project, Tenant, VendorGrant, WorkOrder
 
-DEMO_PASSWORD = "atrium-demo"
+DEMO_PASSWORD = "atrium-demo"  # nosec B105 # the demo accounts' published password (README, make run)
 
 ACCOUNTS = {
     "platform-admin": ("Platform admin", ["platform_admin"]),
@@ -76,7 +76,7 @@ class Command(BaseCommand):
             self._fleet(users)
             self._organisation(users)
             self._vendor_access(users)
-            self._history(users, days=days, rng=random.Random(seed))
+            self._history(users, days=days, rng=random.Random(seed))  # nosec B311 # a reproducible demo history, not a secret
             self._serving(users)
         self.stdout.write(self.style.SUCCESS(
             f"Demo organisation loaded: {Tenant.objects.count()} tenants, {Project.objects.count()} projects, "
