@@ -6,4 +6,4 @@ class PortalConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from portal import signals  # noqa: F401  (connects the audit receivers)
+        from portal import lockout, signals  # noqa: F401  (connect the audit receivers)

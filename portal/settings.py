@@ -6,6 +6,7 @@ start (DEBUG=0) without SECRET_KEY, or with a DATABASE_URL that cannot be parsed
 one sentence (manage.py and the WSGI entry catch ImproperlyConfigured).
 """
 
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -79,6 +80,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django.contrib.humanize",
     "guardian",
+    "axes",
     "django_htmx",
     "django_rq",
     "django_tables2",
@@ -109,6 +111,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "csp.middleware.CSPMiddleware",
+    # last: turns a locked-out sign-in into the page of portal.lockout (inside CSP and headers)
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -167,6 +171,8 @@ OIDC_AUTHENTICATE_CLASS = "portal.oidc.AtriumAuthenticationRequestView"
 OIDC_CALLBACK_CLASS = "portal.oidc.AtriumAuthenticationCallbackView"
 
 AUTHENTICATION_BACKENDS = [
+    # before ModelBackend: a locked (user name, address) pair is refused before any hashing
+    "portal.lockout.LocalLoginThrottle",
     "django.contrib.auth.backends.ModelBackend",
     "guardian.backends.ObjectPermissionBackend",
 ]
@@ -174,6 +180,31 @@ if OIDC_ENABLED:
     AUTHENTICATION_BACKENDS.insert(0, "portal.oidc.AtriumOIDCBackend")
     # re-checks an SSO session with the provider when its ID token expired (htmx-aware)
     MIDDLEWARE.insert(MIDDLEWARE.index("portal.middleware.SessionValidityMiddleware") + 1, "portal.oidc.HtmxSessionRefresh")
+
+# --- Local-account sign-in throttling (django-axes; portal/lockout.py, docs/security.md) ---
+# Failures count per (user name, client address) pair, so a guesser cannot lock a person out
+# from everywhere; the lockout runs from the failure that caused it and refusals meanwhile do
+# not extend it. OIDC callbacks, API tokens and gateway keys never pass through here.
+try:
+    ATRIUM_LOGIN_FAILURE_LIMIT = env.int("ATRIUM_LOGIN_FAILURE_LIMIT", default=5)
+    ATRIUM_LOGIN_LOCKOUT_MINUTES = env.int("ATRIUM_LOGIN_LOCKOUT_MINUTES", default=15)
+except ValueError:
+    ATRIUM_LOGIN_FAILURE_LIMIT = ATRIUM_LOGIN_LOCKOUT_MINUTES = 0
+if ATRIUM_LOGIN_FAILURE_LIMIT < 1 or ATRIUM_LOGIN_LOCKOUT_MINUTES < 1:
+    raise ImproperlyConfigured(
+        "ATRIUM_LOGIN_FAILURE_LIMIT and ATRIUM_LOGIN_LOCKOUT_MINUTES must both be whole numbers of at least 1."
+    )
+AXES_FAILURE_LIMIT = ATRIUM_LOGIN_FAILURE_LIMIT
+AXES_COOLOFF_TIME = timedelta(minutes=ATRIUM_LOGIN_LOCKOUT_MINUTES)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+AXES_CLIENT_IP_CALLABLE = "portal.lockout.client_ip"
+AXES_USERNAME_CALLABLE = "portal.lockout.attempted_username"
+AXES_WHITELIST_CALLABLE = "portal.lockout.not_a_password_login"
+AXES_LOCKOUT_CALLABLE = "portal.lockout.lockout_response"
+AXES_DISABLE_ACCESS_LOG = True  # successful sign-ins are in the audit log; no second, unpruned table
+AXES_ENABLE_ACCESS_FAILURE_LOG = False
 
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
@@ -296,5 +327,6 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    # axes narrates every attempt at INFO; its warnings (a new failure, a lockout) stay
+    "loggers": {"django.db.backends": {"level": "INFO"}, "axes": {"level": "WARNING"}},
 }

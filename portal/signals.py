@@ -7,7 +7,7 @@ import time
 from django.contrib.auth.signals import user_logged_in, user_logged_out, user_login_failed
 from django.dispatch import receiver
 
-from portal import audit
+from portal import audit, lockout
 from portal.middleware import SUDO_SESSION_KEY
 from portal.models import AuditOutcome
 
@@ -42,6 +42,8 @@ def on_logout(sender, request, user, **kwargs):
 def on_login_failed(sender, credentials, request=None, **kwargs):
     if "username" not in credentials:
         return  # the OIDC callback: portal.oidc audits its refusals itself, with the reason
+    if getattr(request, lockout.REFUSED_ATTR, False):
+        return  # refused by the sign-in throttle: one auth.lockout event per lockout (portal.lockout)
     username = str(credentials.get("username", ""))[:150]
     audit.record("auth.login_failed", outcome=AuditOutcome.FAILED, actor_label=f"anonymous ({username})",
                  target_type="auth.user", target_label=username, reason="wrong username or password")

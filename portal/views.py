@@ -15,6 +15,7 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxLengthValidator
 from django.db import connection
 from django.http import HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
@@ -22,7 +23,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods
 
-from portal import audit
+from portal import audit, lockout
 from portal.middleware import SUDO_SESSION_KEY
 from portal.models import AuditOutcome
 
@@ -53,6 +54,13 @@ def readyz(request):
 
 
 class AtriumAuthenticationForm(AuthenticationForm):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Django sets the user name's max_length after the field is built, so nothing checks
+        # it: an over-long name would reach authenticate() and the throttle's counter column.
+        field = self.fields["username"]
+        field.validators.append(MaxLengthValidator(field.max_length))
+
     def confirm_login_allowed(self, user):
         super().confirm_login_allowed(user)
         from tenants.access import is_vendor_only, session_still_valid
@@ -107,9 +115,10 @@ def reauthenticate(request):
                          target_id=str(request.user.pk), target_label=request.user.get_username())
             messages.success(request, "Identity confirmed for the next few minutes.")
             return HttpResponseRedirect(next_url)
-        audit.record("auth.reauthenticate", actor=request.user, outcome=AuditOutcome.DENIED,
-                     reason="wrong password", target_type="auth.user", target_id=str(request.user.pk))
-        messages.error(request, "That password is not right.")
+        if not getattr(request, lockout.REFUSED_ATTR, False):  # a lockout refusal: portal.lockout answers
+            audit.record("auth.reauthenticate", actor=request.user, outcome=AuditOutcome.DENIED,
+                         reason="wrong password", target_type="auth.user", target_id=str(request.user.pk))
+            messages.error(request, "That password is not right.")
     sso = request.session.get("_auth_user_backend", "").endswith("AtriumOIDCBackend")
     return render(request, "portal/reauthenticate.html", {"next": next_url, "sso": sso and settings.OIDC_ENABLED})
 

@@ -36,8 +36,8 @@ from tenants.tests.factories import build_world, client_for
 EXAMPLES = 14
 OMIT = object()
 # Tables whose rows a refused request may legitimately add: the audit trail of the refusal
-# (and its chain head), and the session store.
-MAY_GROW = {"portal_auditevent", "portal_auditchainhead", "django_session"}
+# (and its chain head), the session store, and a refused sign-in's failure counter (axes).
+MAY_GROW = {"portal_auditevent", "portal_auditchainhead", "django_session", "axes_accessattempt"}
 NASTY = [
     "", " ", "0", "-1", "-0", "1.5", "1e309", "NaN", "-inf", "0x10", "99999999999999999999999999999",
     "-9223372036854775809", "9223372036854775808", "2147483648", "null", "None", "true", "[]", "{}", "on",
