@@ -17,7 +17,10 @@ a project and a spec, the POST, the job's page), cancel some of their jobs from 
 and call the gateway with their tenant's API key; tenant admins browse the dashboard, the job
 list and jobs; finance viewers keep the dashboard open and reload it now and then. People start
 over a ramp (20 s). Static files are not fetched: with hashed names and far-future caching a
-returning browser does not ask for them.
+returning browser does not ask for them. Before anything is measured every gunicorn worker is
+warmed up (Django loads its URLconf and compiles templates lazily, seconds per process). The
+settings are the test ones (ATRIUM_TESTING=1): its fast password hasher makes the ramp's 200
+sign-ins far cheaper than production PBKDF2 would.
 
 Reported: requests/s, p50/p95/p99 per page and endpoint, errors (every answer must be the
 expected status; must be 0), the dashboard's p95 against 300 ms, and the CPU the generator
