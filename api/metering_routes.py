@@ -143,8 +143,8 @@ def register(api) -> None:
         ratelimit.check(request)
         tenant = project = None
         if payload.project is not None:
-            project = Project.objects.select_related("tenant").filter(pk=payload.project).first()
-            if project is None or not access.visible_to(request.user, Project).filter(pk=project.pk).exists():
+            project = access.visible_to(request.user, Project.objects.select_related("tenant")).filter(pk=payload.project).first()
+            if project is None:
                 raise ApiProblem("validation-error", "project: no project with this id within your reach",
                                  errors=[{"field": "project", "message": "no project with this id within your reach"}])
         elif payload.tenant:

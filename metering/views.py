@@ -96,6 +96,7 @@ def usage(request):
     capacity = None
     if access.has_platform_perm(request.user, "view_all_usage"):
         capacity = list(
+            # nosemgrep: atrium-queryset-outside-visible-to -- fleet capacity, no tenant owns it; platform view_all_usage only
             PoolCapacity.objects.filter(granularity=Granularity.DAY, period__gte=first)
             .values("pool__name", "accelerator_model__short_name")
             .annotate(healthy=Sum("healthy_milli_card_seconds"), used=Sum("used_milli_card_seconds"),
@@ -165,10 +166,12 @@ def report_download(request, pk: int, fmt: str):
 def _budget_scopes(user):
     """Tenants and projects whose budgets `user` may set (see services._budget_actor_may)."""
     if access.has_platform_perm(user, "manage_tenants"):
-        return Tenant.objects.order_by("slug"), Project.objects.select_related("tenant").order_by("tenant__slug", "slug")
+        return (access.visible_to(user, Tenant, "manage").order_by("slug"),
+                access.visible_to(user, Project.objects.select_related("tenant"), "manage").order_by("tenant__slug", "slug"))
     tenant_ids = access.tenant_ids(user, "split_tenant_quota")
     return (Tenant.objects.none(),
-            Project.objects.filter(tenant_id__in=tenant_ids).select_related("tenant").order_by("tenant__slug", "slug"))
+            access.visible_to(user, Project.objects.filter(tenant_id__in=tenant_ids).select_related("tenant"))
+            .order_by("tenant__slug", "slug"))
 
 
 @login_required

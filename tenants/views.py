@@ -422,7 +422,7 @@ def platform_quota_set(request):
 
 
 def _roles_page(request, *, form=None, status: int = 200):
-    qs = PlatformRoleAssignment.objects.select_related("user")
+    qs = access.visible_to(request.user, PlatformRoleAssignment.objects.select_related("user"))
     filterset = PlatformRoleFilterSet(request.GET, queryset=qs)
     context = {"table": _table(request, PlatformRoleTable(filterset.qs)), "filter": filterset,
                "form": form or PlatformRoleForm()}
@@ -475,7 +475,7 @@ VENDOR_ADMIN_PERMS = ("operate_inventory", "approve_vendor_grants")
 
 
 def _work_orders_page(request, *, form=None, status: int = 200):
-    orders = WorkOrder.objects.select_related("opened_by")
+    orders = access.visible_to(request.user, WorkOrder.objects.select_related("opened_by"))
     context = {
         "table": _table(request, WorkOrderTable(orders)),
         "may_open": access.has_platform_perm(request.user, "operate_inventory"),
@@ -560,7 +560,8 @@ def grant_request(request, pk: int):
 @require_GET
 def grant_list(request):
     _platform(request, *VENDOR_ADMIN_PERMS, action="vendor.grant.view")
-    grants = VendorGrant.objects.select_related("vendor", "requested_by", "approved_by", "work_order")
+    grants = access.visible_to(request.user, VendorGrant.objects.select_related("vendor", "requested_by", "approved_by",
+                                                                      "work_order"))
     filterset = VendorGrantFilterSet(request.GET, queryset=grants)
     context = {"table": _table(request, VendorGrantTable(filterset.qs)), "filter": filterset}
     return render_page(request, "tenants/grant_list.html", context, fragment="partials/table.html")
