@@ -96,8 +96,10 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "portal.middleware.HealthProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # after SecurityMiddleware, so probes get its headers too; their paths are exempt from the
+    # HTTPS redirect (SECURE_REDIRECT_EXEMPT) and no Host check runs before them
+    "portal.middleware.HealthProbeMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "portal.middleware.RequestContextMiddleware",
     # a lost database answers 503 + Retry-After, not a 500 (portal/resilience.py)
