@@ -19,12 +19,16 @@ from portal.forms import add_service_errors
 from portal.rendering import render_page
 from portal.services import SudoRequired
 from scheduling import services
+from scheduling.cycle import QUEUED_STATES
 from scheduling.filters import JobFilterSet, NodeFilterSet
 from scheduling.forms import CancelForm, CardHealthForm, JobForm
-from scheduling.models import Accelerator, Binding, Job, Node
+from scheduling.models import ACTIVE_STATES, Accelerator, Binding, Job, Node
 from scheduling.tables import JobTable, NodeTable
 from tenants import access
 from tenants.models import Project
+
+# jobs whose row on the list can still change: queued, admitted or running
+LIVE_STATES = (*QUEUED_STATES, *ACTIVE_STATES)
 
 
 @login_required
@@ -34,8 +38,14 @@ def job_list(request):
                              projects=access.visible_to(request.user, Project).select_related("tenant"))
     table = JobTable(filterset.qs)
     RequestConfig(request, paginate={"per_page": 25}).configure(table)
-    return render_page(request, "scheduling/job_list.html", {"table": table, "filter": filterset},
-                       fragment="partials/table.html")
+    # The open list refreshes itself only while a row on it can still change (the page's rows
+    # are fetched once, here and for rendering alike); a list of finished jobs stops polling.
+    live = any(row.record.state in LIVE_STATES for row in table.page.object_list)
+    response = render_page(request, "scheduling/job_list.html", {"table": table, "filter": filterset, "live": live},
+                           fragment="partials/table.html")
+    if request.htmx and request.htmx.trigger == "job-list-poll" and not live:
+        response.status_code = 286  # htmx: stop polling; a filter change is not the poller and swaps as usual
+    return response
 
 
 @login_required

@@ -161,6 +161,22 @@ def test_job_list_filters_and_never_shows_another_tenants_jobs(client, org):
 
 
 @pytest.mark.django_db
+def test_job_list_polls_only_while_a_row_on_it_can_change(client, org):
+    job = submit(org, "alpha", "will-finish")
+    login(client, org.people["alpha"]["user"])
+    url = reverse("scheduling:job_list")
+    poll = {"HTTP_HX_REQUEST": "true", "HTTP_HX_TRIGGER": "job-list-poll"}
+    assert 'hx-trigger="every 10s"' in client.get(url).content.decode()
+    assert client.get(url, **poll).status_code == 200
+    services.cancel_job(org.people["alpha"]["user"], job)
+    assert "hx-trigger" not in client.get(url).content.decode().split('id="job-list-poll"')[1].split(">")[0]
+    r = client.get(url, **poll)
+    assert r.status_code == 286 and "will-finish" in r.content.decode()  # the last swap, then no more polls
+    # a filter change (the form is not the poller) swaps as usual even when nothing is live
+    assert client.get(url, {"state": "cancelled"}, HTTP_HX_REQUEST="true").status_code == 200
+
+
+@pytest.mark.django_db
 def test_job_detail_shows_the_wait_reason_and_the_bindings(client, org):
     jobs = [submit(org, "alpha", f"j{i}") for i in range(5)]
     cycle.run_cycle()
