@@ -22,13 +22,13 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from decimal import Decimal
+from operator import itemgetter
 
 from django.conf import settings
 from django.core.files import File
 from django.db.models import BigIntegerField, Case, Q, Sum, Value, When
 from django.db.models.functions import TruncDay
 from openpyxl import Workbook
-from openpyxl.cell import WriteOnlyCell
 from openpyxl.styles import Font
 from openpyxl.utils import get_column_letter
 
@@ -48,6 +48,7 @@ from tenants import access
 
 ZERO = Decimal(0)
 Q6 = services.COST_PLACES
+ZERO6 = ZERO.quantize(Q6)
 NO_SERVICE = "(batch jobs)"
 IDLE = "(idle capacity)"
 SPOOL_BYTES = 8 * 1024 * 1024  # files larger than this go to a temporary file, not memory
@@ -159,6 +160,20 @@ def _price_segments(prices, key_field: str, lo: dt.datetime, hi: dt.datetime):
     return constant, case, {p.pk: p for p in prices}
 
 
+def _micro(n: int, d: int) -> Decimal:
+    """n / d currency micro-units as money, rounded half to even like Decimal.quantize(Q6):
+    money is summed as exact integers and becomes a Decimal once per atom."""
+    q, r = divmod(n, d)
+    if 2 * r > d or (2 * r == d and q & 1):
+        q += 1
+    return Decimal(q).scaleb(-6) if q else ZERO6
+
+
+def _units(value: Decimal, places: int) -> int:
+    """A price or an amount with at most `places` decimals as an exact integer."""
+    return int(value.scaleb(places))
+
+
 def _grouped(qs, keys: list[str], sums: dict, by_day: bool, case):
     """(day or None, *keys, price pk or None, *sums) per group: the GROUP BY runs in PostgreSQL."""
     group = list(keys)
@@ -190,9 +205,10 @@ def report_lines(report: Report, progress=lambda pct: None) -> Lines:
     names = Names.load()
     project = names.project
     atoms: dict[tuple, Atom] = {}
-    raw: dict[tuple, Decimal] = defaultdict(lambda: ZERO)  # price x milli-card-seconds, rounded once below
+    raw: dict[tuple, int] = defaultdict(int)  # price in 1/10,000 x milli-card-seconds, exact; rounded once below
     chunks = list(_chunks(lo, hi))
     prices = list(Price.objects.order_by("accelerator_model_id", "effective_from"))
+    price_e4 = {p.pk: _units(p.per_card_hour, 4) for p in prices}  # the field has 4 decimal places
     progress(5)
     for i, (a, b) in enumerate(chunks):
         qs = access.visible_to(user, UsageRecord.objects.filter(scope, hour__gte=a, hour__lt=b))
@@ -207,10 +223,12 @@ def report_lines(report: Report, progress=lambda pct: None) -> Lines:
                 atom = atoms[key] = Atom(*key)
             atom.mcs += mcs
             if price is not None:
-                raw[key] += price.per_card_hour * mcs
+                raw[key] += price_e4[price.pk] * mcs
         progress(5 + int(75 * (i + 1) / len(chunks)))
+    # price/10^4 x mcs / 3.6e6 card-hours, in micro-units: raw x 10^6 / (10^4 x 3.6e6) = raw / 36,000
+    per_micro = 10_000 * services.MCS_PER_CARD_HOUR // 1_000_000
     for key, value in raw.items():
-        atoms[key].list_cost = (value / services.MCS_PER_CARD_HOUR).quantize(Q6)
+        atoms[key].list_cost = _micro(value, per_micro)
 
     _tokens(user, atoms, scope, lo, hi, by_day)
     _idle(report, atoms, lo, hi, by_day)
@@ -233,8 +251,9 @@ def _tokens(user, atoms: dict, scope: Q, lo, hi, by_day: bool) -> None:
             atom = atoms[key] = Atom(*key)
         atom.tokens_in += tin
         atom.tokens_out += tout
-        if price is not None:
-            atom.list_cost += ((price.per_million_input * tin + price.per_million_output * tout) / 1_000_000).quantize(Q6)
+        if price is not None:  # 4-decimal prices per million tokens: micro-units = (p x 10^4 x tokens) / 10^4
+            cost = _units(price.per_million_input, 4) * tin + _units(price.per_million_output, 4) * tout
+            atom.list_cost += _micro(cost, 10_000)
 
 
 def _idle(report: Report, atoms: dict, lo, hi, by_day: bool) -> None:
@@ -251,10 +270,12 @@ def _idle(report: Report, atoms: dict, lo, hi, by_day: bool) -> None:
             atoms[key] = Atom(*key, list_cost=r["idle_cost"].quantize(Q6))
         return
     if report.mode == ReportMode.CHARGEBACK:
+        # each atom's share of its pool's idle cost, by its card time: idle x mcs / used
+        share = {k: (_units(c["idle"], 6), c["used"]) for k, c in cap.items() if c["used"] and c["idle"] is not None}
         for atom in atoms.values():
-            c = cap.get((atom.pool_id, atom.accelerator_model_id))
-            if c and c["used"] and atom.mcs:
-                atom.idle_share = (c["idle"] * atom.mcs / c["used"]).quantize(Q6)
+            c = share.get((atom.pool_id, atom.accelerator_model_id))
+            if c and atom.mcs:
+                atom.idle_share = _micro(c[0] * atom.mcs, c[1])
     elif not report.tenant_id and not report.project_id:
         for (pool_id, model_id), c in cap.items():
             if c["idle"]:
@@ -327,39 +348,31 @@ def to_csv(lines: Lines) -> str:
 
 
 def write_xlsx(report: Report, lines: Lines, out) -> None:
-    """One sheet in openpyxl's streaming (write-only) mode: bold header and totals row, a
-    number format on every numeric cell, frozen header."""
-    wb = Workbook(write_only=True)
-    ws = wb.create_sheet("report")
+    """One sheet: bold header and totals row, a number format on every numeric cell, frozen
+    header. openpyxl's write-only mode was measured slower here (50 vs 42 ms for 200 lines,
+    690 vs 445 ms for 2,000): its per-cell objects cost more than the memory it saves on a
+    sheet of lines, which is never larger than the number of projects or days."""
+    wb = Workbook()
+    ws = wb.active
+    ws.title = "report"
+    ws.append(lines.columns)
+    bold = Font(bold=True)
+    for cell in ws[1]:
+        cell.font = bold
+    for r in lines.rows:
+        ws.append([r[c] for c in lines.columns])
+    ws.append(_total_row(lines))
+    for cell in ws[ws.max_row]:
+        cell.font = bold
     money = f'#,##0.00 "{report.currency}"'
     formats = {"card_hours": "#,##0.000", "input_tokens": "#,##0", "output_tokens": "#,##0",
                "list_cost": money, "idle_share": money, "cost": money}
-    for idx in range(1, len(lines.columns) + 1):
+    for idx, col in enumerate(lines.columns, start=1):
+        if col in formats:
+            for (cell,) in ws.iter_rows(min_row=2, min_col=idx, max_col=idx):
+                cell.number_format = formats[col]
         ws.column_dimensions[get_column_letter(idx)].width = 16
     ws.freeze_panes = "A2"
-    bold = Font(bold=True)
-    col_formats = [formats.get(c) for c in lines.columns]
-
-    def row(values, font=None):
-        cells = []
-        for value, fmt in zip(values, col_formats, strict=True):
-            cell = WriteOnlyCell(ws, value)
-            if fmt is not None:
-                cell.number_format = fmt
-            if font is not None:
-                cell.font = font
-            cells.append(cell)
-        return cells
-
-    header = []
-    for name in lines.columns:
-        cell = WriteOnlyCell(ws, name)
-        cell.font = bold
-        header.append(cell)
-    ws.append(header)
-    for r in lines.rows:
-        ws.append(row([r[c] for c in lines.columns]))
-    ws.append(row(_total_row(lines), bold))
     wb.save(out)
 
 
@@ -390,6 +403,17 @@ FOCUS_COLUMNS: list[tuple[str, str]] = [
 FOCUS_NAMES = [c for c, _ in FOCUS_COLUMNS]
 
 
+# Where each FOCUS column's value comes from: the report, the owner (tenant and project), the
+# resource (accelerator model and pool, or model service), the charge period, or the row.
+FOCUS_ROW_COLUMNS = ("BilledCost", "EffectiveCost", "ListCost", "ContractedCost", "ListUnitPrice",
+                     "ContractedUnitPrice", "ConsumedQuantity", "PricingQuantity", "x_IdleShareCost")
+FOCUS_OWNER_COLUMNS = ("SubAccountId", "SubAccountName", "SubAccountType", "Tags", "x_TenantId", "x_TenantName")
+FOCUS_RESOURCE_COLUMNS = ("ChargeDescription", "ConsumedUnit", "PricingUnit", "ResourceId", "ResourceName",
+                          "ResourceType", "ServiceCategory", "ServiceName", "ServiceSubcategory", "SkuId", "SkuPriceId",
+                          "x_Pool", "x_ModelService")
+FOCUS_PERIOD_COLUMNS = ("ChargePeriodStart", "ChargePeriodEnd")
+
+
 def _iso(t: dt.datetime) -> str:
     return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -410,73 +434,78 @@ def _csv_field(value) -> str:
     return text
 
 
-def _same(value):
-    return value
+def _same(source: str, cols: dict) -> dict:
+    return cols
 
 
-def focus_rows(report: Report, lines: Lines, *, csv_fields: bool = False):
-    """FOCUS rows (dicts by column name) at (tenant, project, accelerator model or service,
-    pool[, day]) detail: one per atom, no regrouping. The columns shared by many rows (account,
-    resource, owner, charge period) are built once and merged into each row; with csv_fields
-    they are built already as CSV fields, so writing a row is one join. The per-row columns
-    are numbers, which CSV never quotes."""
-    n = lines.names
-    enc = _csv_field if csv_fields else _same
+class _FocusParts:
+    """The columns a FOCUS row shares with other rows, built once per report, owner, resource
+    and charge period, each passed through `shape(source, columns)` once (a plain dict, or CSV text)."""
 
-    def part(**cols) -> dict:
-        return {k: enc(v) for k, v in cols.items()}
+    def __init__(self, report: Report, names: Names, shape=_same):
+        self.names, self.shape = names, shape
+        account = getattr(settings, "ATRIUM_INSTALLATION_NAME", "atrium")
+        bp_start, bp_end = _iso(services.day_start(report.period_start)), _iso(services.day_start(report.period_end))
+        self.report = shape("report", dict(
+            BillingAccountId=account, BillingAccountName=account, BillingAccountType="Installation",
+            BillingCurrency=report.currency, BillingPeriodEnd=bp_end, BillingPeriodStart=bp_start,
+            ChargeCategory="Usage", ChargeClass="", ChargeFrequency="Usage-Based", InvoiceIssuerName=account,
+            PricingCategory="Standard", PricingCurrency=report.currency, ProviderName=account, PublisherName=account,
+            RegionId="", RegionName="", x_ReportMode=report.mode, x_ReportId=str(report.pk),
+        ))
+        self.owners: dict = {}
+        self.resources: dict = {}
+        self.periods: dict = {None: shape("period", {"ChargePeriodStart": bp_start, "ChargePeriodEnd": bp_end})}
 
-    account = getattr(settings, "ATRIUM_INSTALLATION_NAME", "atrium")
-    bp_start, bp_end = _iso(services.day_start(report.period_start)), _iso(services.day_start(report.period_end))
-    base = part(
-        BillingAccountId=account, BillingAccountName=account, BillingAccountType="Installation",
-        BillingCurrency=report.currency, BillingPeriodEnd=bp_end, BillingPeriodStart=bp_start,
-        ChargeCategory="Usage", ChargeClass="", ChargeFrequency="Usage-Based", InvoiceIssuerName=account,
-        PricingCategory="Standard", PricingCurrency=report.currency, ProviderName=account, PublisherName=account,
-        RegionId="", RegionName="", x_ReportMode=report.mode, x_ReportId=str(report.pk),
-    )
-    owners: dict = {}  # (tenant, project) -> the columns naming them
-    resources: dict = {}  # (model, pool, service) -> the columns naming the resource
-    periods: dict = {None: part(ChargePeriodStart=bp_start, ChargePeriodEnd=bp_end)}
+    def owner(self, tenant_id, project_id) -> dict:
+        part = self.owners.get((tenant_id, project_id))
+        if part is None:
+            slug = self.names.project[project_id][1] if project_id else None
+            tenant = self.names.tenant.get(tenant_id) if tenant_id else None
+            part = self.owners[tenant_id, project_id] = self.shape("owner", dict(
+                SubAccountId=str(project_id) if slug else "", SubAccountName=slug or "",
+                SubAccountType="Project" if slug else "",
+                Tags=json.dumps({"tenant": tenant, "project": slug} if slug else {"idle": "true"}, sort_keys=True),
+                x_TenantId=str(tenant_id) if tenant else "", x_TenantName=tenant or "",
+            ))
+        return part
 
-    def owner(tenant_id, project_id) -> dict:
-        slug = n.project[project_id][1] if project_id else None
-        tenant = n.tenant.get(tenant_id) if tenant_id else None
-        return part(
-            SubAccountId=str(project_id) if slug else "", SubAccountName=slug or "",
-            SubAccountType="Project" if slug else "",
-            Tags=json.dumps({"tenant": tenant, "project": slug} if slug else {"idle": "true"}, sort_keys=True),
-            x_TenantId=str(tenant_id) if tenant else "", x_TenantName=tenant or "",
-        )
-
-    def resource(model_id, pool_id, service) -> dict:
-        if model_id is None:
-            rid = f"service:{service}"
-            return part(ConsumedUnit="1000 Tokens", PricingUnit="1000 Tokens", ServiceCategory="AI and Machine Learning",
-                        ServiceSubcategory="Generative AI", ServiceName="Atrium model serving", ResourceId=rid,
-                        ResourceName=service, ResourceType="Model service", SkuId=rid, SkuPriceId=f"{rid}@list",
-                        ChargeDescription=f"Tokens of model service {service}", x_Pool="", x_ModelService=service)
-        (model_name, short), pool = n.model[model_id], n.pool[pool_id]
-        rid = f"{pool}/{model_name}"
-        return part(ConsumedUnit="GPU-Hours", PricingUnit="GPU-Hours", ServiceCategory="Compute",
+    def resource(self, model_id, pool_id, service) -> dict:
+        part = self.resources.get((model_id, pool_id, service))
+        if part is None:
+            if model_id is None:
+                rid = f"service:{service}"
+                cols = dict(
+                    ConsumedUnit="1000 Tokens", PricingUnit="1000 Tokens", ServiceCategory="AI and Machine Learning",
+                    ServiceSubcategory="Generative AI", ServiceName="Atrium model serving", ResourceId=rid,
+                    ResourceName=service, ResourceType="Model service", SkuId=rid, SkuPriceId=f"{rid}@list",
+                    ChargeDescription=f"Tokens of model service {service}", x_Pool="", x_ModelService=service)
+            else:
+                (model_name, short), pool = self.names.model[model_id], self.names.pool[pool_id]
+                rid = f"{pool}/{model_name}"
+                cols = dict(
+                    ConsumedUnit="GPU-Hours", PricingUnit="GPU-Hours", ServiceCategory="Compute",
                     ServiceSubcategory="Other (Compute)", ServiceName="Atrium GPU", ResourceId=rid,
                     ResourceName=f"{short} in pool {pool}", ResourceType="GPU", SkuId=rid, SkuPriceId=f"{rid}@list",
                     ChargeDescription=(f"Idle healthy {short} capacity in pool {pool}" if service == IDLE
                                        else f"{short} card time"),
                     x_Pool=pool, x_ModelService=service)
+            part = self.resources[model_id, pool_id, service] = self.shape("resource", cols)
+        return part
 
+    def period(self, day) -> dict:
+        part = self.periods.get(day)
+        if part is None:
+            start = services.day_start(day)
+            part = self.periods[day] = self.shape("period", {"ChargePeriodStart": _iso(start),
+                                                             "ChargePeriodEnd": _iso(start + services.DAY)})
+        return part
+
+
+def _focus_atoms(lines: Lines):
+    """(atom, its row columns) in file order: quantity in GPU-hours or thousands of tokens."""
     mcs_per_hour = services.MCS_PER_CARD_HOUR
     for a in sorted(lines.atoms, key=_atom_order):
-        who = owners.get(wk := (a.tenant_id, a.project_id))
-        if who is None:
-            who = owners[wk] = owner(*wk)
-        what = resources.get(rk := (a.accelerator_model_id, a.pool_id, a.model_service))
-        if what is None:
-            what = resources[rk] = resource(*rk)
-        when = periods.get(a.day)
-        if when is None:
-            start = services.day_start(a.day)
-            when = periods[a.day] = part(ChargePeriodStart=_iso(start), ChargePeriodEnd=_iso(start + services.DAY))
         if a.accelerator_model_id is None:
             qty = (Decimal(a.tokens_in + a.tokens_out) / 1000).quantize(Q6)
         else:
@@ -484,21 +513,53 @@ def focus_rows(report: Report, lines: Lines, *, csv_fields: bool = False):
         list_cost, idle = a.list_cost, a.idle_share
         billed = list_cost + idle
         unit_price = (list_cost / qty).quantize(Q6) if qty else ZERO
-        yield {
-            **base, **who, **what, **when,
-            "BilledCost": billed, "EffectiveCost": billed, "ListCost": list_cost, "ContractedCost": list_cost,
-            "ListUnitPrice": unit_price, "ContractedUnitPrice": unit_price, "ConsumedQuantity": qty,
-            "PricingQuantity": qty, "x_IdleShareCost": idle,
-        }
+        yield a, (billed, billed, list_cost, list_cost, unit_price, unit_price, qty, qty, idle)
+
+
+def focus_rows(report: Report, lines: Lines):
+    """FOCUS rows (dicts by column name) at (tenant, project, accelerator model or service,
+    pool[, day]) detail: one per atom, no regrouping."""
+    parts = _FocusParts(report, lines.names)
+    for a, values in _focus_atoms(lines):
+        yield {**parts.report, **parts.owner(a.tenant_id, a.project_id),
+               **parts.resource(a.accelerator_model_id, a.pool_id, a.model_service), **parts.period(a.day),
+               **dict(zip(FOCUS_ROW_COLUMNS, values, strict=True))}
 
 
 def write_focus(report: Report, lines: Lines, out) -> None:
-    """The FOCUS CSV, byte for byte what csv.DictWriter writes for focus_rows (a test checks),
-    at the cost of one join per row instead of 48 field conversions."""
-    cols = FOCUS_NAMES
-    buf = [",".join(map(_csv_field, cols))]
-    for row in focus_rows(report, lines, csv_fields=True):
-        buf.append(",".join([str(row[c]) for c in cols]))
+    """The FOCUS CSV, byte for byte what csv.DictWriter writes for focus_rows (a test checks).
+
+    The file's columns fall into runs that come from one source (report, owner, resource,
+    period, row); each shared part is turned into its runs' CSV text once, so a row is its
+    numbers plus one join of about twenty pieces, not 48 field conversions."""
+    source = {c: "row" for c in FOCUS_ROW_COLUMNS} | {c: "owner" for c in FOCUS_OWNER_COLUMNS} | {
+        c: "resource" for c in FOCUS_RESOURCE_COLUMNS} | {c: "period" for c in FOCUS_PERIOD_COLUMNS}
+    runs: list[tuple[str, list[str]]] = []
+    for col in FOCUS_NAMES:
+        src = source.get(col, "report")
+        if runs and runs[-1][0] == src:
+            runs[-1][1].append(col)
+        else:
+            runs.append((src, [col]))
+
+    runs_of: dict[str, list] = defaultdict(list)
+    for i, (src, run) in enumerate(runs):
+        runs_of[src].append((i, run))
+
+    def shape(src: str, cols: dict) -> dict:  # the runs one part fills, as CSV text keyed by run number
+        return {i: ",".join([_csv_field(cols[c]) for c in run]) for i, run in runs_of[src]}
+
+    row_runs = [(i, [FOCUS_ROW_COLUMNS.index(c) for c in run]) for i, run in runs_of["row"]]
+    in_order = itemgetter(*range(len(runs)))
+    parts = _FocusParts(report, lines.names, shape)
+    buf = [",".join(map(_csv_field, FOCUS_NAMES))]
+    for a, values in _focus_atoms(lines):
+        text = [str(v) for v in values]
+        pieces = {**parts.report, **parts.owner(a.tenant_id, a.project_id),
+                  **parts.resource(a.accelerator_model_id, a.pool_id, a.model_service), **parts.period(a.day)}
+        for i, idx in row_runs:
+            pieces[i] = ",".join([text[j] for j in idx])
+        buf.append(",".join(in_order(pieces)))
         if len(buf) >= 2000:  # a few large writes, not one per row
             out.write("\r\n".join(buf) + "\r\n")
             buf.clear()
