@@ -1,4 +1,5 @@
-"""Request-wide middleware: request id and source address for audit, and session validity.
+"""Request-wide middleware: request id and source address for audit, session validity, and
+the short path of the key-authenticated gateway.
 
 The source address is taken from X-Forwarded-For only when the direct peer is one of the
 configured trusted proxies; a client can never choose the address the audit log records.
@@ -13,6 +14,7 @@ from django.conf import settings
 from django.contrib.auth import logout
 from django.http import HttpResponse
 from django.shortcuts import redirect, resolve_url
+from django.urls import Resolver404, resolve
 
 from portal import context
 
@@ -102,3 +104,43 @@ class HealthProbeMiddleware:
 
             return views.healthz(request) if request.path == "/healthz" else views.readyz(request)
         return self.get_response(request)
+
+
+GATEWAY_PREFIX = "/v1/"
+GATEWAY_CSP = "default-src 'none'; frame-ancestors 'none'"
+
+
+class GatewayShortPathMiddleware:
+    """Sends a /v1/ request for a key-authenticated gateway view straight to that view.
+
+    The OpenAI-compatible gateway authenticates every request by its API key and never reads a
+    session, a CSRF token, request.user, messages, htmx headers or a CSP nonce, yet those
+    middleware cost more CPU than the gateway's own work. Only a view marked
+    `key_authenticated` (serving.gateway.gateway_view) takes this path; any other URL,
+    including an unknown /v1/ path, goes through the whole chain as before. What still applies
+    to the short path: every middleware above this one (health probes, SecurityMiddleware's HTTPS
+    redirect and headers, whitenoise, request id and audit context, the database-outage 503),
+    the ALLOWED_HOSTS check (as CommonMiddleware makes it), X-Frame-Options, a Content Security
+    Policy that allows nothing (a JSON answer loads nothing) and Content-Length.
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        if not request.path_info.startswith(GATEWAY_PREFIX):
+            return self.get_response(request)
+        request.get_host()  # DisallowedHost -> 400, exactly as for every other path
+        try:
+            match = resolve(request.path_info)
+        except Resolver404:
+            return self.get_response(request)
+        if not getattr(match.func, "key_authenticated", False):
+            return self.get_response(request)
+        request.resolver_match = match
+        response = match.func(request, *match.args, **match.kwargs)
+        if not response.streaming and not response.has_header("Content-Length"):
+            response.headers["Content-Length"] = str(len(response.content))
+        response.headers.setdefault("X-Frame-Options", settings.X_FRAME_OPTIONS)
+        response.headers.setdefault("Content-Security-Policy", GATEWAY_CSP)
+        return response

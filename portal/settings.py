@@ -104,6 +104,8 @@ MIDDLEWARE = [
     "portal.middleware.RequestContextMiddleware",
     # a lost database answers 503 + Retry-After, not a 500 (portal/resilience.py)
     "portal.resilience.DatabaseUnavailableMiddleware",
+    # /v1/ (API-key gateway) goes straight to its view from here: no session, CSRF, auth, CSP nonce
+    "portal.middleware.GatewayShortPathMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

@@ -1,32 +1,34 @@
 """The OpenAI-compatible gateway: /v1/models, /v1/chat/completions, /v1/completions,
 /v1/embeddings, /v1/applications/<slug>/chat and /v1/knowledge_bases/<id>/search.
 
-Every request: Bearer key -> serving.services.authenticate_key (fresh checks, no cache) ->
-the service or knowledge base looked up inside the key's tenant and project (another
-tenant's object answers 404, a known one outside the key's scope 403) -> monthly budget ->
-Redis rate limits (429 + Retry-After) -> proxy with connect/read timeouts and bounded
-retries -> meter the upstream's `usage` exactly once. Errors are JSON in OpenAI's shape;
+Every request: Bearer key -> serving.services.authenticate_key (fresh checks, no cache; the
+key, its project, tenant, limits, creator's membership, the named service inside the key's
+tenant with the key's scope on it, and the month's tokens in one prepared statement) ->
+another tenant's object answers 404, a known one outside the key's scope 403 -> monthly
+budget -> Redis rate limits (429 + Retry-After) -> proxy with connect/read timeouts and
+bounded retries (one urllib3 pool per process, kept-alive connections) -> meter the
+upstream's `usage` exactly once (one prepared statement). Errors are JSON in OpenAI's shape;
 upstream failures become 502/504 without their internals, and are never billed. This view
-never trusts a tenant, project or id from the client and never logs a key.
+never trusts a tenant, project or id from the client and never logs a key. It reads no
+session: portal.middleware.GatewayShortPathMiddleware sends it requests past the session,
+CSRF and page middleware.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 
-import requests
+import urllib3
 from django.conf import settings
 from django.db import DatabaseError
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Q
 from django.http import JsonResponse, StreamingHttpResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from redis.exceptions import RedisError
-from requests.adapters import HTTPAdapter
 
 from serving import ratelimit
 from serving import services as svc
@@ -82,6 +84,7 @@ def gateway_view(methods: tuple[str, ...]):
 
         view.__name__ = fn.__name__
         view.__doc__ = fn.__doc__
+        view.key_authenticated = True  # portal.middleware.GatewayShortPathMiddleware: no session middleware
         return view
 
     return wrap
@@ -90,17 +93,38 @@ def gateway_view(methods: tuple[str, ...]):
 # --- request parsing and authorisation --------------------------------------------------
 
 
-def _authenticate(request) -> ApiKey:
+def _bearer(request) -> str:
     header = request.META.get("HTTP_AUTHORIZATION", "")
     if not header:
         raise GatewayError(401, "No API key provided. Send 'Authorization: Bearer atr_...'.", code="invalid_api_key")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise GatewayError(401, "Malformed Authorization header; expected 'Bearer <key>'.", code="invalid_api_key")
+    return token.strip()
+
+
+def _authenticate(request, *, model=None) -> svc.Caller:
+    """The caller behind the Bearer key (401/403 when it cannot be used), with the service named
+    `model` looked up inside the key's tenant in the same statement."""
+    token = _bearer(request)
+    named = model if isinstance(model, str) and 0 < len(model) <= 200 and "\x00" not in model else None
     try:
-        return svc.authenticate_key(token.strip())
+        return svc.authenticate_key(token, service=named)
     except svc.KeyRejected as exc:
         raise GatewayError(exc.status, str(exc), code=exc.code) from None
+
+
+def _authenticate_with_body(request) -> tuple[svc.Caller, dict]:
+    """Key and body of a POST that names its model: an unusable key answers 401 before a bad body."""
+    _bearer(request)
+    try:
+        body, problem = _json_body(request), None
+    except GatewayError as exc:
+        body, problem = {}, exc
+    caller = _authenticate(request, model=body.get("model"))
+    if problem is not None:
+        raise problem
+    return caller, body
 
 
 def _json_body(request) -> dict:
@@ -157,19 +181,17 @@ def _reachable(key: ApiKey, service: ModelService) -> bool:
             and (service.project_id == key.project_id or service.visibility == Visibility.TENANT))
 
 
-def _service(key: ApiKey, model) -> ModelService:
+def _service(caller: svc.Caller, model) -> ModelService:
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "Say which model to call in 'model'.", param="model", code="missing_model")
-    # tenant from the key, in the query itself: another tenant's service of the same name is not
-    # found; the key's scope comes back in the same query (one round trip per request, not two)
-    service = (ModelService.objects.filter(tenant_id=key.tenant_id, slug=model)
-               .annotate(_in_key_scope=Exists(_scope_rows(key).filter(modelservice_id=OuterRef("pk"))))
-               .order_by()[:1])  # (tenant, slug) is unique: no ORDER BY to plan
-    service = service[0] if service else None
-    if service is None or not _reachable(key, service):
+    # looked up with the key, inside the key's tenant: another tenant's service of the same
+    # name is not found; the key's scope on it came back in the same statement
+    service = caller.service
+    if service is None or not _reachable(caller.key, service):
         raise GatewayError(404, f"The model '{model[:80]}' does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
-    _require_scope(key, service)
+    if not caller.service_in_scope:
+        _scope_denied(service)
     return service
 
 
@@ -178,19 +200,21 @@ def _scope_rows(key: ApiKey):
 
 
 def _require_scope(key: ApiKey, service: ModelService) -> None:
-    in_scope = getattr(service, "_in_key_scope", None)
-    if in_scope is None:
-        in_scope = _scope_rows(key).filter(modelservice_id=service.pk).exists()
-    if not in_scope:
-        raise GatewayError(403, f"This API key is not allowed to call '{service.slug}'.", param="model",
-                           code="scope_denied", type_="permission_error")
+    if not _scope_rows(key).filter(modelservice_id=service.pk).exists():
+        _scope_denied(service)
 
 
-def _admit(key: ApiKey) -> list[ratelimit.Limit]:
+def _scope_denied(service: ModelService):
+    raise GatewayError(403, f"This API key is not allowed to call '{service.slug}'.", param="model",
+                       code="scope_denied", type_="permission_error")
+
+
+def _admit(caller: svc.Caller) -> list[ratelimit.Limit]:
     """Monthly budget, then per-key and per-project rate limits. Returns the limits to add tokens to."""
+    key = caller.key
     limits = svc.limits_for(key.project)
     if limits.monthly_token_budget is not None:
-        used = svc.tokens_this_month(key.project)
+        used = caller.month_tokens if caller.month_tokens is not None else svc.tokens_this_month(key.project)
         if used >= limits.monthly_token_budget:
             svc.raise_budget_alarm(key, used, limits.monthly_token_budget)
             now = timezone.now()
@@ -214,49 +238,49 @@ def _admit(key: ApiKey) -> list[ratelimit.Limit]:
 
 # --- upstream ---------------------------------------------------------------------------
 
-_local = threading.local()
+# One pool per process, shared by its threads: kept-alive connections to each model server,
+# never a proxy from the environment, no redirects followed, retries done below (bounded).
+_pool = urllib3.PoolManager(num_pools=32, maxsize=64, block=False, retries=False)
+_JSON = {"Content-Type": "application/json", "Accept": "application/json"}
 
 
-def _session() -> requests.Session:
-    s = getattr(_local, "session", None)
-    if s is None:
-        s = requests.Session()
-        s.trust_env = False  # never route model traffic through a proxy from the environment
-        adapter = HTTPAdapter(pool_connections=8, pool_maxsize=64, max_retries=0)
-        s.mount("http://", adapter)
-        s.mount("https://", adapter)
-        _local.session = s
-    return s
-
-
-def _post(service: ModelService, path: str, body: dict, *, stream: bool = False) -> requests.Response:
+def _post(service: ModelService, path: str, body: dict, *, stream: bool = False) -> urllib3.BaseHTTPResponse:
     url = service.upstream_url + path
-    timeout = (service.connect_timeout, service.read_timeout)
+    data = json.dumps(body, allow_nan=False).encode()
+    timeout = urllib3.Timeout(connect=service.connect_timeout, read=service.read_timeout)
     for attempt in range(RETRIES + 1):
         last = attempt == RETRIES
         try:
-            resp = _session().post(url, json=body, timeout=timeout, stream=stream)
-        except requests.ReadTimeout:
+            resp = _pool.request("POST", url, body=data, headers=_JSON, timeout=timeout, retries=False,
+                                 redirect=False, preload_content=not stream)
+        except urllib3.exceptions.ReadTimeoutError:
             raise GatewayError(504, "The model server did not answer in time; the request was not billed.",
                                type_="server_error", code="upstream_timeout") from None
-        except (requests.ConnectionError, requests.Timeout) as exc:
+        except urllib3.exceptions.HTTPError as exc:  # refused, reset, connect timeout, bad URL
             if last:
-                log.warning("upstream %s unreachable: %s", service.slug, exc)
+                log.warning("upstream %s unreachable: %s", service.slug, type(exc).__name__)
                 raise GatewayError(502, "The model server is unreachable; the request was not billed.",
                                    type_="server_error", code="upstream_unavailable") from None
             time.sleep(BACKOFF * (attempt + 1))
             continue
-        if resp.status_code in (502, 503) and not last:
-            resp.close()
+        if resp.status in (502, 503) and not last:
+            _discard(resp)
             time.sleep(BACKOFF * (attempt + 1))
             continue
         return resp
     raise AssertionError("unreachable")
 
 
-def _upstream_failure(service: ModelService, resp: requests.Response) -> GatewayError:
-    status = resp.status_code
-    resp.close()
+def _discard(resp: urllib3.BaseHTTPResponse) -> None:
+    """Give the connection back: reusable when the answer was read to its end, closed otherwise."""
+    if not resp.isclosed():
+        resp.close()
+    resp.release_conn()
+
+
+def _upstream_failure(service: ModelService, resp: urllib3.BaseHTTPResponse) -> GatewayError:
+    status = resp.status
+    _discard(resp)
     log.warning("upstream %s answered %s", service.slug, status)
     if status == 429:
         return GatewayError(503, "The model server is overloaded; retry shortly. The request was not billed.",
@@ -291,9 +315,10 @@ def _meter(request, key, service, endpoint, uid, usage, checks, application=None
             log.warning("tokens of request %s not added to the rate-limit window (Redis unavailable)", uid)
 
 
-def _proxy(request, key: ApiKey, service: ModelService, body: dict, endpoint: str, path: str, *,
+def _proxy(request, caller: svc.Caller, service: ModelService, body: dict, endpoint: str, path: str, *,
            application: Application | None = None, extra: dict | None = None):
-    checks = _admit(key)
+    key = caller.key
+    checks = _admit(caller)
     uid = uuid.uuid4()  # the gateway's own id: the client cannot make two requests count as one
     body = dict(body)
     body["model"] = service.model_name_upstream
@@ -302,10 +327,10 @@ def _proxy(request, key: ApiKey, service: ModelService, body: dict, endpoint: st
     if endpoint == "embeddings":
         body.pop("stream", None)
     resp = _post(service, path, body)
-    if resp.status_code != 200:
+    if resp.status != 200:
         raise _upstream_failure(service, resp)
     try:
-        payload = resp.json()
+        payload = json.loads(resp.data)
     except ValueError:
         raise GatewayError(502, "The model server sent an invalid answer; the request was not billed.",
                            type_="server_error", code="upstream_invalid") from None
@@ -323,7 +348,7 @@ def _proxy_stream(request, key, service, body, endpoint, path, uid, checks, appl
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     resp = _post(service, path, body, stream=True)
-    if resp.status_code != 200:
+    if resp.status != 200:
         raise _upstream_failure(service, resp)
 
     def events():
@@ -331,7 +356,7 @@ def _proxy_stream(request, key, service, body, endpoint, path, uid, checks, appl
         note = ""
         buffer = b""
         try:
-            for piece in resp.iter_content(chunk_size=None):
+            for piece in resp.stream(None, decode_content=True):
                 buffer += piece
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
@@ -340,14 +365,14 @@ def _proxy_stream(request, key, service, body, endpoint, path, uid, checks, appl
                         usage = out[1]
                     if out is not None and out[0] is not None:
                         yield out[0] + b"\n\n"
-        except requests.RequestException as exc:
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
             note = "upstream stream interrupted"
             log.warning("stream of request %s from %s interrupted: %s", uid, service.slug, type(exc).__name__)
             err = {"error": {"message": "The model server stream was interrupted.", "type": "server_error",
                              "param": None, "code": "upstream_interrupted"}}
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
-            resp.close()
+            _discard(resp)
             if usage is None and not note:
                 note = "stream ended without usage (client went away or upstream did not report)"
             _meter(request, key, service, endpoint, uid, usage, checks, application, note=note)
@@ -385,7 +410,7 @@ def _rewrite_event(event: bytes, slug: str, wants_usage: bool) -> tuple[bytes | 
 
 @gateway_view(("GET",))
 def models(request):
-    key = _authenticate(request)
+    key = _authenticate(request).key
     services = (key.services.filter(tenant_id=key.tenant_id, status=ServiceStatus.PUBLISHED)
                 .filter(Q(project_id=key.project_id) | Q(visibility=Visibility.TENANT)).order_by("slug"))
     data = [{"id": s.slug, "object": "model", "created": int((s.published or s.created).timestamp()),
@@ -395,34 +420,31 @@ def models(request):
 
 @gateway_view(("POST",))
 def chat_completions(request):
-    key = _authenticate(request)
-    body = _json_body(request)
-    service = _service(key, body.get("model"))
+    caller, body = _authenticate_with_body(request)
+    service = _service(caller, body.get("model"))
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise GatewayError(400, "'messages' must be a non-empty list.", param="messages")
     _check_generation_params(body)
-    return _proxy(request, key, service, body, "chat", "/chat/completions")
+    return _proxy(request, caller, service, body, "chat", "/chat/completions")
 
 
 @gateway_view(("POST",))
 def completions(request):
-    key = _authenticate(request)
-    body = _json_body(request)
-    service = _service(key, body.get("model"))
+    caller, body = _authenticate_with_body(request)
+    service = _service(caller, body.get("model"))
     if not isinstance(body.get("prompt"), (str, list)):
         raise GatewayError(400, "'prompt' must be a string or a list of strings.", param="prompt")
     _check_generation_params(body)
-    return _proxy(request, key, service, body, "completions", "/completions")
+    return _proxy(request, caller, service, body, "completions", "/completions")
 
 
 @gateway_view(("POST",))
 def embeddings(request):
-    key = _authenticate(request)
-    body = _json_body(request)
-    service = _service(key, body.get("model"))
+    caller, body = _authenticate_with_body(request)
+    service = _service(caller, body.get("model"))
     if not isinstance(body.get("input"), (str, list)):
         raise GatewayError(400, "'input' must be a string or a list.", param="input")
-    return _proxy(request, key, service, body, "embeddings", "/embeddings")
+    return _proxy(request, caller, service, body, "embeddings", "/embeddings")
 
 
 def _key_kbs(key: ApiKey):
@@ -433,7 +455,8 @@ def _key_kbs(key: ApiKey):
 
 @gateway_view(("POST",))
 def application_chat(request, slug: str):
-    key = _authenticate(request)
+    caller = _authenticate(request)
+    key = caller.key
     body = _json_body(request)
     app = Application.objects.select_related("service").filter(project_id=key.project_id, slug=slug).first()
     if app is None:
@@ -456,13 +479,14 @@ def application_chat(request, slug: str):
     upstream_body["messages"] = ([{"role": "system", "content": system}] if system else []) + messages
     sources = [{"knowledge_base": h.knowledge_base, "document": h.document, "chunk": h.chunk_id,
                 "score": round(h.score, 4)} for h in hits]
-    return _proxy(request, key, service, upstream_body, "application", "/chat/completions", application=app,
+    return _proxy(request, caller, service, upstream_body, "application", "/chat/completions", application=app,
                   extra={"application": app.slug, "sources": sources})
 
 
 @gateway_view(("POST",))
 def kb_search(request, kb_id: int):
-    key = _authenticate(request)
+    caller = _authenticate(request)
+    key = caller.key
     body = _json_body(request)
     kb = svc.kbs_for_project(key.project).filter(pk=kb_id).first()
     if kb is None:
@@ -476,7 +500,7 @@ def kb_search(request, kb_id: int):
     top_k = body.get("top_k", 5)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 20:
         raise GatewayError(400, "'top_k' must be an integer from 1 to 20.", param="top_k")
-    _admit(key)
+    _admit(caller)
     hits = svc.search_chunks(tenant_id=key.tenant_id, kb_ids=[kb.pk], query=query, top_k=top_k)
     return JsonResponse({"object": "list", "knowledge_base": kb.slug, "data": [
         {"chunk": h.chunk_id, "document": h.document, "text": h.text, "score": round(h.score, 4)} for h in hits]})

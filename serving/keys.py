@@ -51,3 +51,8 @@ def well_formed(key: str) -> bool:
 
 def matches(key: str, stored_digest: str) -> bool:
     return hmac.compare_digest(digest(key), stored_digest)
+
+
+def digests_match(computed: str, stored_digest: str) -> bool:
+    """`matches` for a digest already computed (the lookup's own): one HMAC per request, not two."""
+    return hmac.compare_digest(computed, stored_digest)

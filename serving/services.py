@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.contrib.postgres.search import SearchQuery, SearchRank, SearchVector
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 
@@ -42,6 +42,7 @@ from serving.models import (
     TokenUsage,
     Visibility,
 )
+from serving.prepared import Statement, from_row, select_columns
 from tenants import access
 from tenants.models import Project, Tenant, TenantState
 
@@ -481,35 +482,125 @@ class KeyRejected(Exception):
 LAST_USED_RESOLUTION = dt.timedelta(seconds=30)  # last_used is written at most this often per key
 
 
-def authenticate_key(raw: str) -> ApiKey:
+@dataclass(frozen=True)
+class Caller:
+    """What one gateway request may do, read in one statement at the start of the request."""
+
+    key: ApiKey  # with key.project, key.project.tenant and the project's serving limits loaded
+    service: ModelService | None = None  # the service the request named, if the key's tenant has one by that name
+    service_in_scope: bool = False  # the key's scope lists that service
+    month_tokens: int | None = None  # the project's gateway tokens this month (only read when it has a budget)
+
+
+def _key_check_sql() -> str:
+    from django.contrib.auth import get_user_model
+
+    scope = ApiKey.services.through
+    limits_budget = ServingLimits._meta.get_field("monthly_token_budget").column
+    return (
+        f"SELECT {select_columns(ApiKey, 'k')}, {select_columns(Project, 'p')}, "  # noqa: S608 # nosec B608 # identifiers from model metadata, values are parameters
+        f"{select_columns(Tenant, 't')}, l.id IS NOT NULL, {select_columns(ServingLimits, 'l')}, "
+        f"s.id IS NOT NULL, {select_columns(ModelService, 's')}, "
+        f"u.is_active AND {access.project_perm_sql(user='k.created_by_id', project='k.project_id', perm='%(perm)s')}, "
+        f"EXISTS (SELECT 1 FROM {scope._meta.db_table} ks WHERE ks.{scope._meta.get_field('apikey').column} = k.id "
+        f"AND ks.{scope._meta.get_field('modelservice').column} = s.id), "
+        f"CASE WHEN l.{limits_budget} IS NOT NULL THEN (SELECT COALESCE(SUM(tu.input_tokens + tu.output_tokens), 0) "
+        f"FROM {TokenUsage._meta.db_table} tu WHERE tu.project_id = k.project_id AND tu.hour >= %(month)s) END "
+        f"FROM {ApiKey._meta.db_table} k JOIN {Project._meta.db_table} p ON p.id = k.project_id "
+        f"JOIN {Tenant._meta.db_table} t ON t.id = p.tenant_id "
+        f"JOIN {get_user_model()._meta.db_table} u ON u.id = k.created_by_id "
+        f"LEFT JOIN {ServingLimits._meta.db_table} l ON l.project_id = k.project_id "
+        f"LEFT JOIN {ModelService._meta.db_table} s ON s.tenant_id = k.tenant_id AND s.slug = %(service)s "
+        f"WHERE k.digest = %(digest)s"
+    )
+
+
+_KEY_CHECK = Statement("atrium_gateway_key_check", _key_check_sql,
+                                {"digest": "text", "service": "text", "month": "timestamptz", "perm": "text"})
+
+
+def authenticate_key(raw: str, *, service: str | None = None) -> Caller:
     """The usable key for a presented secret, checked fresh at every request: revoked, expired,
-    project archived, tenant suspended and the creator's lost membership all stop it here."""
+    project archived, tenant suspended and the creator's lost membership all stop it here.
+
+    One prepared statement reads the key, its project, tenant and limits, the creator's
+    permission on the project, the service named `service` in the key's tenant with the key's
+    scope on it, and (for a project with a budget) its tokens this month. Nothing is cached
+    between requests: a change committed before a request starts is what that request sees.
+    """
     if not keymat.well_formed(raw):
         raise KeyRejected("Malformed API key.")
     digest = keymat.digest(raw)
-    # one query for the key, its project, tenant, creator and the project's limits (read by _admit)
-    key = (ApiKey.objects.select_related("project__tenant", "project__serving_limits", "created_by")
-           .filter(digest=digest).order_by()[:1])  # digest is unique: no ORDER BY
-    key = key[0] if key else None
-    if key is None or not keymat.matches(raw, key.digest):
-        raise KeyRejected("Invalid API key.")
     now = timezone.now()
+    row = _key_check_row({"digest": digest, "service": service, "month": month_start(now), "perm": USE_PERM})
+    if row is None or not keymat.digests_match(digest, row[_K.digest]):
+        raise KeyRejected("Invalid API key.")
+    key, project, tenant, limits, svc, creator_may_use, in_scope, month_tokens = _caller_parts(row)
     if key.revoked is not None:
         raise KeyRejected("This API key was revoked.")
     if key.expires is not None and now >= key.expires:
         raise KeyRejected("This API key has expired." + (" It was rotated; use its replacement." if key.replaced_by_id
                                                          else ""))
-    if key.project.archived is not None:
+    if project.archived is not None:
         raise KeyRejected("The project of this API key is archived.")
-    if key.project.tenant.state != TenantState.ACTIVE:
+    if tenant.state != TenantState.ACTIVE:
         raise KeyRejected("The tenant of this API key is suspended.", status=403, code="tenant_suspended")
-    creator = key.created_by
-    if not creator.is_active or not access.holds_project_perm(creator, USE_PERM, key.project_id):
+    if not creator_may_use:
         raise KeyRejected("The person who created this key no longer belongs to its project.")
     if key.last_used is None or now - key.last_used > LAST_USED_RESOLUTION:
         ApiKey.objects.filter(pk=key.pk).update(last_used=now)
         key.last_used = now
-    return key
+    return Caller(key=key, service=svc, service_in_scope=bool(in_scope), month_tokens=month_tokens)
+
+
+def _key_check_row(values: dict):
+    """The key-check row, read as the request's first statement without Django's per-request
+    health check (CONN_HEALTH_CHECKS: a SELECT 1 round trip before it). The check is made by
+    the statement itself: when the persistent connection turns out to be one the server
+    dropped, it is closed and the read runs once more on a new one. Inside a transaction (a
+    caller's atomic block) nothing is retried and the ordinary check applies."""
+    from portal.resilience import is_db_outage
+
+    retry = not connection.in_atomic_block and connection.connection is not None and not connection.health_check_done
+    if retry:
+        connection.health_check_done = True
+    try:
+        with connection.cursor() as cur:
+            return _KEY_CHECK.run(cur, values).fetchone()
+    except DatabaseError as exc:
+        if not (retry and is_db_outage(exc)):
+            raise
+        log.warning("gateway: the database connection was gone, reconnecting (%s)", type(exc).__name__)
+        connection.close()
+    with connection.cursor() as cur:
+        return _KEY_CHECK.run(cur, values).fetchone()
+
+
+class _K:  # where the parts of a key-check row start
+    digest = [f.attname for f in ApiKey._meta.concrete_fields].index("digest")
+
+
+def _caller_parts(row):
+    n_key, n_project, n_tenant = (len(m._meta.concrete_fields) for m in (ApiKey, Project, Tenant))
+    n_limits, n_service = len(ServingLimits._meta.concrete_fields), len(ModelService._meta.concrete_fields)
+    i = 0
+    key = from_row(ApiKey, row[i:i + n_key])
+    i += n_key
+    project = from_row(Project, row[i:i + n_project])
+    i += n_project
+    tenant = from_row(Tenant, row[i:i + n_tenant])
+    i += n_tenant
+    limits = from_row(ServingLimits, row[i + 1:i + 1 + n_limits]) if row[i] else None
+    i += 1 + n_limits
+    svc = from_row(ModelService, row[i + 1:i + 1 + n_service]) if row[i] else None
+    i += 1 + n_service
+    creator_may_use, in_scope, month_tokens = row[i:i + 3]
+    Project.tenant.field.set_cached_value(project, tenant)
+    Project.serving_limits.related.set_cached_value(project, limits)
+    ApiKey.project.field.set_cached_value(key, project)
+    if limits is not None:
+        ServingLimits.project.field.set_cached_value(limits, project)
+    return key, project, tenant, limits, svc, creator_may_use, in_scope, month_tokens
 
 
 def hour_of(t: dt.datetime) -> dt.datetime:
@@ -565,40 +656,75 @@ def record_usage(*, uid: uuid.UUID, key: ApiKey, service: ModelService, endpoint
     """Meter one successful gateway request exactly once (uid is the idempotency key).
 
     With no usage reported (`input_tokens is None`) the request is recorded as unmetered; a
-    count is never guessed. Returns False when this uid was already recorded.
+    count is never guessed. Returns False when this uid was already recorded. On PostgreSQL the
+    request row and the hourly rollup are written by one prepared statement: the rollup is
+    added to only when the request row was inserted, so a repeated uid changes nothing.
     """
     metered = input_tokens is not None and output_tokens is not None
     inp = max(0, int(input_tokens or 0))
     out = max(0, int(output_tokens or 0))
     now = timezone.now()
-    try:
-        with transaction.atomic():
-            GatewayRequest.objects.create(
-                uid=uid, time=now, tenant_id=key.tenant_id, project_id=key.project_id, api_key=key, service=service,
-                application=application, endpoint=endpoint, input_tokens=inp, output_tokens=out, metered=metered,
-                note=note[:200], request_id=request_id[:64],
-            )
-            _upsert_hour(now, key, service, inp, out, metered)
-    except IntegrityError:
-        return False
-    if not metered:
+    values = {"uid": uid, "time": now, "tenant": key.tenant_id, "project": key.project_id, "key": key.pk,
+              "service": service.pk, "application": application.pk if application else None, "endpoint": endpoint,
+              "inp": inp, "out": out, "metered": metered, "note": note[:200], "request_id": request_id[:64],
+              "hour": hour_of(now), "base_model": service.base_model}
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cur:
+            recorded = _METER.run(cur, values).fetchone() is not None
+    else:  # SQLite (development): no data-modifying CTE; the same two writes in one transaction
+        try:
+            with transaction.atomic(), connection.cursor() as cur:
+                # nosemgrep: atrium-raw-sql-string-formatting -- table names from model metadata, values are parameters
+                cur.execute(_request_insert_sql(), values)
+                rollup = _rollup_upsert_sql("VALUES (%(hour)s, %(tenant)s, %(project)s, %(key)s, %(service)s, "
+                                            "%(base_model)s, 1, %(inp)s, %(out)s, %(unmetered)s)")
+                # nosemgrep: atrium-raw-sql-string-formatting -- table names from model metadata, values are parameters
+                cur.execute(rollup, {**values, "unmetered": 0 if metered else 1})
+            recorded = True
+        except IntegrityError:
+            recorded = False
+    if recorded and not metered:
         log.warning("gateway request %s on %s (key %s) finished without usage from the upstream: recorded unmetered",
                     uid, service.slug, key.prefix)
-    return True
+    return recorded
 
 
-def _upsert_hour(now, key: ApiKey, service: ModelService, inp: int, out: int, metered: bool) -> None:
-    # One statement, atomic under concurrency: the unique (hour, key, service) row is created
-    # or added to; the GatewayRequest insert in the same transaction guards against doubles.
-    sql = (
-        "INSERT INTO serving_tokenusage (hour, tenant_id, project_id, api_key_id, service_id, base_model, requests, "
-        "input_tokens, output_tokens, unmetered_requests) VALUES (%s, %s, %s, %s, %s, %s, 1, %s, %s, %s) "
-        "ON CONFLICT (hour, api_key_id, service_id) DO UPDATE SET "
-        "requests = serving_tokenusage.requests + 1, "
-        "input_tokens = serving_tokenusage.input_tokens + EXCLUDED.input_tokens, "
-        "output_tokens = serving_tokenusage.output_tokens + EXCLUDED.output_tokens, "
-        "unmetered_requests = serving_tokenusage.unmetered_requests + EXCLUDED.unmetered_requests"
+def _request_insert_sql() -> str:
+    return (
+        f"INSERT INTO {GatewayRequest._meta.db_table} (uid, time, tenant_id, project_id, api_key_id, service_id, "  # noqa: S608 # nosec B608 # table name from model metadata, values are parameters
+        "application_id, endpoint, input_tokens, output_tokens, metered, note, request_id) VALUES (%(uid)s, %(time)s, "
+        "%(tenant)s, %(project)s, %(key)s, %(service)s, %(application)s, %(endpoint)s, %(inp)s, %(out)s, %(metered)s, "
+        "%(note)s, %(request_id)s)"
     )
-    with connection.cursor() as cur:
-        cur.execute(sql, [hour_of(now), key.tenant_id, key.project_id, key.pk, service.pk, service.base_model,
-                          inp, out, 0 if metered else 1])
+
+
+def _rollup_upsert_sql(rows: str) -> str:
+    # atomic under concurrency: the unique (hour, key, service) row is created or added to
+    table = TokenUsage._meta.db_table
+    return (
+        f"INSERT INTO {table} (hour, tenant_id, project_id, api_key_id, service_id, base_model, requests, "  # noqa: S608 # nosec B608 # table name from model metadata, values are parameters
+        f"input_tokens, output_tokens, unmetered_requests) {rows} "
+        "ON CONFLICT (hour, api_key_id, service_id) DO UPDATE SET "
+        f"requests = {table}.requests + 1, "
+        f"input_tokens = {table}.input_tokens + EXCLUDED.input_tokens, "
+        f"output_tokens = {table}.output_tokens + EXCLUDED.output_tokens, "
+        f"unmetered_requests = {table}.unmetered_requests + EXCLUDED.unmetered_requests"
+    )
+
+
+def _meter_sql() -> str:
+    # One statement, one implicit transaction: the request row is inserted unless its uid is
+    # already there (a retry), and the rollup reads only the row this statement inserted.
+    return (
+        f"WITH req AS ({_request_insert_sql()} ON CONFLICT (uid) DO NOTHING "  # noqa: S608 # nosec B608 # table names from model metadata, values are parameters
+        "RETURNING tenant_id, project_id, api_key_id, service_id, input_tokens, output_tokens, metered) "
+        + _rollup_upsert_sql("SELECT %(hour)s, tenant_id, project_id, api_key_id, service_id, %(base_model)s, 1, "
+                             "input_tokens, output_tokens, CASE WHEN metered THEN 0 ELSE 1 END FROM req")
+        + " RETURNING 1"
+    )
+
+
+_METER = Statement("atrium_gateway_meter", _meter_sql, {
+    "uid": "uuid", "time": "timestamptz", "tenant": "bigint", "project": "bigint", "key": "bigint", "service": "bigint",
+    "application": "bigint", "endpoint": "text", "inp": "integer", "out": "integer", "metered": "boolean",
+    "note": "text", "request_id": "text", "hour": "timestamptz", "base_model": "text"})

@@ -288,11 +288,10 @@ def prime(user) -> None:
 def holds_project_perm(user, perm: str, project_id: int) -> bool:
     """The same answer as `can(user, perm, project)` for ONE project, in one indexed query.
 
-    For hot paths that ask once per request about one project (the API gateway checks its key
-    creator's membership at every call): guardian's get_objects_for_user builds and runs a
-    query over every project the user reaches, ~10x the cost. Same sources as project_ids():
-    the project object permission through a role group or held directly, no global perms.
-    Never cached across requests, so a membership that ends stops the next call.
+    For hot paths that ask once per request about one project: guardian's get_objects_for_user
+    builds and runs a query over every project the user reaches, ~10x the cost. Same sources as
+    project_ids(): the project object permission through a role group or held directly, no
+    global perms. Never cached across requests, so a membership that ends stops the next call.
     """
     if user is None or not user.is_authenticated or not user.is_active:
         return False
@@ -301,28 +300,43 @@ def holds_project_perm(user, perm: str, project_id: int) -> bool:
         return project_id in known
     from django.db import connection
 
-    from tenants.models import Project, ProjectGroupObjectPermission, ProjectUserObjectPermission
-
-    # hand-written because this runs at every gateway call and the ORM's query compilation
-    # costs more than the query; table names come from the models, values are parameters
-    perm_table = ProjectGroupObjectPermission._meta.get_field("permission").related_model._meta.db_table
-    ct_table = ProjectGroupObjectPermission._meta.get_field("permission").related_model._meta.get_field(
-        "content_type").related_model._meta.db_table
-    user_groups = user._meta.get_field("groups").remote_field.through._meta.db_table
-    sql = (
-        f"SELECT EXISTS (SELECT 1 FROM {ProjectGroupObjectPermission._meta.db_table} g "  # noqa: S608 # nosec B608 # table names from model metadata, values are parameters
-        f"JOIN {user_groups} ug ON ug.group_id = g.group_id "
-        f"JOIN {perm_table} p ON p.id = g.permission_id JOIN {ct_table} ct ON ct.id = p.content_type_id "
-        "WHERE g.content_object_id = %s AND ug.user_id = %s AND p.codename = %s AND ct.app_label = %s AND ct.model = %s"
-        f") OR EXISTS (SELECT 1 FROM {ProjectUserObjectPermission._meta.db_table} u "
-        f"JOIN {perm_table} p ON p.id = u.permission_id JOIN {ct_table} ct ON ct.id = p.content_type_id "
-        "WHERE u.content_object_id = %s AND u.user_id = %s AND p.codename = %s AND ct.app_label = %s AND ct.model = %s)"
-    )
-    label = (Project._meta.app_label, Project._meta.model_name)
+    sql = "SELECT " + project_perm_sql(user="%(user)s", project="%(project)s", perm="%(perm)s")
     with connection.cursor() as cur:
         # nosemgrep: atrium-raw-sql-string-formatting -- table names from model metadata, values are parameters
-        cur.execute(sql, [project_id, user.pk, perm, *label, project_id, user.pk, perm, *label])
+        cur.execute(sql, {"user": user.pk, "project": project_id, "perm": perm})
         return bool(cur.fetchone()[0])
+
+
+def project_perm_sql(*, user: str, project: str, perm: str) -> str:
+    """The SQL condition holds_project_perm() evaluates: `user` holds project permission `perm`
+    on `project`, through a role group or directly, no global perms.
+
+    The arguments are SQL expressions written by the caller (parameter placeholders or column
+    names), never data. Hand-written because it runs at every gateway call, where the ORM's query
+    compilation costs more than the query; the gateway's one-statement key check
+    (serving.services.authenticate_key) embeds this same condition, so both answer alike.
+    """
+    from django.contrib.auth import get_user_model
+
+    from tenants.models import Project, ProjectGroupObjectPermission, ProjectUserObjectPermission
+
+    permission = ProjectGroupObjectPermission._meta.get_field("permission").related_model
+    perm_table = permission._meta.db_table
+    ct_table = permission._meta.get_field("content_type").related_model._meta.db_table
+    user_groups = get_user_model()._meta.get_field("groups").remote_field.through._meta.db_table
+    app_label, model = Project._meta.app_label, Project._meta.model_name
+    if not (app_label.isidentifier() and model.isidentifier()):  # written into the text as literals
+        raise ValueError(f"unexpected model label {app_label}.{model}")
+    label = f"ct.app_label = '{app_label}' AND ct.model = '{model}'"
+    return (
+        f"(EXISTS (SELECT 1 FROM {ProjectGroupObjectPermission._meta.db_table} g "  # noqa: S608 # nosec B608 # table names from model metadata, values are the caller's placeholders
+        f"JOIN {user_groups} ug ON ug.group_id = g.group_id "
+        f"JOIN {perm_table} p ON p.id = g.permission_id JOIN {ct_table} ct ON ct.id = p.content_type_id "
+        f"WHERE g.content_object_id = {project} AND ug.user_id = {user} AND p.codename = {perm} AND {label}"
+        f") OR EXISTS (SELECT 1 FROM {ProjectUserObjectPermission._meta.db_table} u "
+        f"JOIN {perm_table} p ON p.id = u.permission_id JOIN {ct_table} ct ON ct.id = p.content_type_id "
+        f"WHERE u.content_object_id = {project} AND u.user_id = {user} AND p.codename = {perm} AND {label}))"
+    )
 
 
 def is_vendor_only(user) -> bool:
