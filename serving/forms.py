@@ -53,7 +53,13 @@ class KnowledgeBaseForm(forms.Form):
 
 
 class UploadForm(forms.Form):
-    file = forms.FileField()
+    # What the file really is is decided by serving.ingest from its bytes; `accept` only helps
+    # the browser's file picker.
+    file = forms.FileField(
+        allow_empty_file=True,  # the service says "the file is empty", like every other refusal
+        widget=forms.FileInput(attrs={"accept": ".txt,.text,.md,.markdown,.pdf,text/plain,"
+                                                         "text/markdown,application/pdf"}),
+    )
 
 
 class SearchForm(forms.Form):

@@ -27,6 +27,7 @@ from django.utils import timezone
 from portal import audit
 from portal.services import deny
 from scheduling import services as scheduling
+from serving import ingest
 from serving import keys as keymat
 from serving.models import (
     ApiKey,
@@ -53,9 +54,8 @@ KEY_PERM = "manage_api_keys"
 PUBLISH_PERM = "manage_project_members"  # publishing/retiring is a project admin's call (or the tenant admin's)
 KB_ADMIN_PERM = "manage_tenant_projects"  # tenant perm: create and share knowledge bases
 SERVICE_JOB_MINUTES = 30 * 24 * 60  # a service is long-lived: the scheduler sees a 30-day job
-MAX_DOCUMENT_BYTES = 5 * 1024 * 1024
-CHUNK_WORDS = 160
-CHUNK_OVERLAP = 30
+MAX_DOCUMENT_BYTES = ingest.MAX_DOCUMENT_BYTES
+CHUNK_INSERT_BATCH = 500
 
 
 # --- reach ------------------------------------------------------------------------------
@@ -222,75 +222,36 @@ def may_upload(user, kb: KnowledgeBase) -> bool:
     return kb.projects.filter(pk__in=use_projects.values("pk")).exists()
 
 
-def extract_text(filename: str, content_type: str, data: bytes) -> str:
-    """Plain text, Markdown or PDF text. Binary data that is not PDF is refused, not indexed."""
-    if data[:5] == b"%PDF-" or filename.lower().endswith(".pdf") or content_type == "application/pdf":
-        try:
-            import io
-
-            import pypdf
-        except ImportError:
-            raise ValidationError({"file": "PDF text extraction is not installed on this server (pypdf); "
-                                           "upload text or Markdown"}) from None
-        try:
-            reader = pypdf.PdfReader(io.BytesIO(data))
-            return "\n\n".join((page.extract_text() or "") for page in reader.pages)
-        except Exception as exc:  # pypdf raises many kinds for a broken file
-            raise ValidationError({"file": f"this PDF cannot be read ({type(exc).__name__})"}) from None
-    if b"\x00" in data:
-        raise ValidationError({"file": "this looks like a binary file; upload text, Markdown or PDF"})
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return data.decode("latin-1")
+# What a file is and how its text is chunked live in serving.ingest (no database there).
+extract_text = ingest.extract_text
+chunk_text = ingest.chunk_text
 
 
-def chunk_text(text: str, *, words: int = CHUNK_WORDS, overlap: int = CHUNK_OVERLAP) -> list[str]:
-    """Windows of at most `words` words, the last `overlap` words repeated in the next window;
-    a paragraph that fits in a fresh window starts one instead of being split."""
-    paragraphs = [p.split() for p in re.split(r"\n\s*\n", text) if p.strip()]
-    overlap = min(overlap, words // 2)
-    chunks: list[str] = []
-    current: list[str] = []
-    fresh = 0  # words in `current` not yet part of an emitted chunk
-    for para in paragraphs:
-        if fresh and len(current) + len(para) > words and len(para) <= words - overlap:
-            chunks.append(" ".join(current))
-            current, fresh = current[len(current) - overlap:] if overlap else [], 0
-        for word in para:
-            current.append(word)
-            fresh += 1
-            if len(current) >= words:
-                chunks.append(" ".join(current))
-                current, fresh = current[len(current) - overlap:] if overlap else [], 0
-    if fresh:
-        chunks.append(" ".join(current))
-    return chunks
-
-
-def upload_document(actor, kb: KnowledgeBase, *, filename: str, content_type: str, data: bytes) -> Document:
+def upload_document(actor, kb: KnowledgeBase, *, filename: str, content_type: str, data) -> Document:
+    """Index one file (bytes, or a binary file object of which at most MAX_DOCUMENT_BYTES + 1
+    bytes are read) into a knowledge base. Every check runs before the transaction: a refused
+    file leaves no Document, no chunk and no audit event behind."""
     if not may_upload(actor, kb):
         deny(actor, "kb.document.upload", "knowledge base not in reach", target_label=str(kb.pk))
     if kb.tenant.state != TenantState.ACTIVE:
         raise ValidationError({"file": "the tenant is suspended"})
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise ValidationError({"file": f"files are limited to {MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB"})
-    if not data:
-        raise ValidationError({"file": "the file is empty"})
-    text = extract_text(filename, content_type, data)
-    pieces = chunk_text(text)
+    filename = ingest.clean_label(filename, 200)
+    content_type = ingest.clean_label(content_type, 60)
+    data = ingest.read_bounded(data, MAX_DOCUMENT_BYTES)
+    pieces = chunk_text(extract_text(filename, content_type, data))
     if not pieces:
         raise ValidationError({"file": "no text found in this file"})
     with transaction.atomic():
         doc = Document.objects.create(
-            tenant_id=kb.tenant_id, knowledge_base=kb, title=filename[:200] or "untitled",
-            content_type=content_type[:60], size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+            tenant_id=kb.tenant_id, knowledge_base=kb, title=filename or "untitled",
+            content_type=content_type, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
             chunk_count=len(pieces), uploaded_by=actor,
         )
-        Chunk.objects.bulk_create([
-            Chunk(tenant_id=kb.tenant_id, knowledge_base=kb, document=doc, ordinal=i, text=piece)
-            for i, piece in enumerate(pieces)
-        ])
+        for start in range(0, len(pieces), CHUNK_INSERT_BATCH):
+            Chunk.objects.bulk_create([
+                Chunk(tenant_id=kb.tenant_id, knowledge_base=kb, document=doc, ordinal=i, text=pieces[i])
+                for i in range(start, min(start + CHUNK_INSERT_BATCH, len(pieces)))
+            ])
         if connection.vendor == "postgresql":
             Chunk.objects.filter(document=doc).update(search_vector=SearchVector("text", config="english"))
         audit.record("kb.document.upload", actor=actor, target=doc, tenant=kb.tenant,

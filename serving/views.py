@@ -16,12 +16,14 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Sum
 from django.db.models.functions import TruncDay
 from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_http_methods, require_POST
 from django_tables2 import RequestConfig
 
 from portal.forms import add_service_errors
 from portal.rendering import render_page
 from serving import forms as f
+from serving import ingest
 from serving import services as svc
 from serving.models import ApiKey, Application, TokenUsage
 from serving.tables import ApiKeyTable, ApplicationTable, KnowledgeBaseTable, ModelServiceTable
@@ -159,39 +161,53 @@ def kb_create(request):
                   status=400 if request.method == "POST" else 200)
 
 
-@login_required
-def kb_detail(request, pk: int):
-    kb = get_object_or_404(svc.kbs_for_user(request.user).select_related("tenant"), pk=pk)
+def _kb_page(request, kb, upload, *, status: int = 200):
     search = f.SearchForm(request.GET or None)
     hits = None
     if search.is_valid() and search.cleaned_data["q"]:
         hits = svc.search_for_user(request.user, kb, search.cleaned_data["q"], top_k=10)
     context = {"kb": kb, "documents": kb.documents.select_related("uploaded_by")[:200], "search": search,
-               "hits": hits, "upload": f.UploadForm(), "may_upload": svc.may_upload(request.user, kb)}
-    return render_page(request, "serving/kb_detail.html", context, fragment="serving/partials/kb_hits.html")
+               "hits": hits, "upload": upload, "may_upload": svc.may_upload(request.user, kb),
+               "max_mib": ingest.MAX_DOCUMENT_BYTES // (1024 * 1024)}
+    return render_page(request, "serving/kb_detail.html", context, fragment="serving/partials/kb_hits.html",
+                       status=status)
 
 
 @login_required
-@require_POST
+def kb_detail(request, pk: int):
+    kb = get_object_or_404(svc.kbs_for_user(request.user).select_related("tenant"), pk=pk)
+    return _kb_page(request, kb, f.UploadForm())
+
+
+@csrf_exempt  # only so the bounded upload handler is in place before the body is read; checked below
 def kb_upload(request, pk: int):
-    kb = get_object_or_404(svc.kbs_for_user(request.user), pk=pk)
+    # Django's default handlers would spool any size of upload to memory or disk; this one keeps
+    # MAX_DOCUMENT_BYTES + 1 bytes and drops the rest (serving/ingest.py). Then the same checks
+    # in the same order as every other POST view: CSRF, sign-in, method.
+    if request.method == "POST":
+        request.upload_handlers = [ingest.BoundedUploadHandler(request)]
+    return _kb_upload(request, pk)
+
+
+@csrf_protect
+@login_required
+@require_POST
+def _kb_upload(request, pk: int):
+    kb = get_object_or_404(svc.kbs_for_user(request.user).select_related("tenant"), pk=pk)
     form = f.UploadForm(request.POST, request.FILES)
     if form.is_valid():
         upload = form.cleaned_data["file"]
-        if upload.size > svc.MAX_DOCUMENT_BYTES:
-            messages.error(request, "Files are limited to 5 MiB.")
+        try:
+            doc = svc.upload_document(request.user, kb, filename=upload.name,
+                                      content_type=upload.content_type or "", data=upload)
+        except ValidationError as exc:
+            add_service_errors(form, exc)
+        # a PermissionDenied (a base in reach to read, not to write) answers 403, as everywhere
         else:
-            try:
-                doc = svc.upload_document(request.user, kb, filename=upload.name,
-                                          content_type=upload.content_type or "", data=upload.read())
-            except ValidationError as exc:
-                messages.error(request, " ".join(exc.messages))
-            # a PermissionDenied (a base in reach to read, not to write) answers 403, as everywhere
-            else:
-                messages.success(request, f"{doc.title}: {doc.chunk_count} chunks indexed.")
-    else:
-        messages.error(request, "Choose a file to upload.")
-    return redirect("serving:kb_detail", pk=kb.pk)
+            messages.success(request, f"{doc.title}: {doc.chunk_count} chunks indexed.")
+            return redirect("serving:kb_detail", pk=kb.pk)
+    # the page again, with the reason on the file field
+    return _kb_page(request, kb, form, status=400)
 
 
 # --- API keys ---------------------------------------------------------------------------
