@@ -177,6 +177,31 @@ def test_job_list_polls_only_while_a_row_on_it_can_change(client, org):
 
 
 @pytest.mark.django_db
+def test_job_table_written_out_renders_the_same_cells_as_django_tables2(rf, org):
+    from django_tables2 import RequestConfig
+
+    from scheduling.tables import JobTable
+
+    jobs = [submit(org, "alpha", f"cell-{i}") for i in range(6)]
+    cycle.run_cycle()  # some admitted, some waiting with a reason and a position
+    services.cancel_job(org.people["alpha"]["user"], jobs[0])
+    request = rf.get("/scheduling/jobs/")
+    request.user = org.admin
+
+    def cells(template):
+        table = JobTable(Job.objects.select_related("project__tenant", "spec", "priority_class"))
+        RequestConfig(request, paginate={"per_page": 25}).configure(table)
+        table.template_name = template
+        body = table.as_html(request).split("<tbody")[1].split("</tbody>")[0]
+        return [re.sub(r"\s+", " ", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", body, re.S)]
+
+    written, generic = cells("scheduling/partials/job_table.html"), cells("django_tables2/table.html")
+    assert len(generic) == 9 * 6
+    assert written == generic
+    assert any(c.startswith("project alpha-p") or "quota" in c for c in written)  # a wait reason is among them
+
+
+@pytest.mark.django_db
 def test_job_detail_shows_the_wait_reason_and_the_bindings(client, org):
     jobs = [submit(org, "alpha", f"j{i}") for i in range(5)]
     cycle.run_cycle()
