@@ -610,10 +610,19 @@ def _save(file_field, name: str, write, text: bool) -> None:
 
 
 def write_files(report: Report, lines: Lines) -> None:
+    """The report's three files under names of its own. A build is a whole rebuild: the files of
+    an earlier build are removed first, including those an attempt that died wrote before it
+    could record them on the row (otherwise the retry's files would be saved beside them
+    under new names)."""
     stem = f"report-{report.pk}-{report.period_start:%Y%m%d}-{report.grouping}"
     for f in (report.csv_file, report.xlsx_file, report.focus_file):
         if f:
             f.delete(save=False)
+    for f, name in ((report.csv_file, f"{stem}.csv"), (report.xlsx_file, f"{stem}.xlsx"),
+                    (report.focus_file, f"{stem}-focus.csv")):
+        leftover = f.field.generate_filename(report, name)
+        if f.storage.exists(leftover):
+            f.storage.delete(leftover)
     _save(report.csv_file, f"{stem}.csv", lambda out: write_csv(lines, out), text=True)
     _save(report.xlsx_file, f"{stem}.xlsx", lambda out: write_xlsx(report, lines, out), text=False)
     _save(report.focus_file, f"{stem}-focus.csv", lambda out: write_focus(report, lines, out), text=True)

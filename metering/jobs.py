@@ -13,20 +13,23 @@ import logging
 import django_rq
 from django.utils import timezone
 from redis.exceptions import RedisError
+from rq import Callback, Retry
 
 log = logging.getLogger(__name__)
 
 ACTIVE = ("queued", "started", "deferred", "scheduled")
 
 
-def _enqueue_unique(queue_name: str, func, job_id: str, *args, **kwargs) -> bool:
+def _enqueue_unique(queue_name: str, func, job_id: str, *args, retry: Retry | None = None,
+                    on_failure: Callback | None = None, **kwargs) -> bool:
     queue = django_rq.get_queue(queue_name)
     existing = queue.fetch_job(job_id)
     if existing is not None and existing.get_status(refresh=False) in ACTIVE:
         return False
     if existing is not None:
         existing.delete()
-    queue.enqueue(func, job_id=job_id, result_ttl=300, failure_ttl=24 * 3600, args=args, kwargs=kwargs)
+    queue.enqueue(func, job_id=job_id, result_ttl=300, failure_ttl=24 * 3600, args=args, kwargs=kwargs,
+                  retry=retry, on_failure=on_failure)
     return True
 
 
@@ -68,10 +71,26 @@ def build_report(report_id: int) -> int:
     return services.build_report(report_id).lines
 
 
+# A build whose worker dies (SIGKILL, a lost node) is found by RQ's maintenance once its
+# heartbeat expires and run again, as is one that raised; a build is a whole rebuild, so a
+# retry is safe. When the retries are spent the report says so instead of "running" forever.
+REPORT_RETRIES = 2
+
+
+def report_build_failed(job, connection, exc_type, exc_value, tb) -> None:
+    """RQ's failure callback of a report build (also called for a build whose worker died)."""
+    from metering import services
+
+    if job.retries_left:
+        return  # RQ runs it again
+    services.report_build_lost(job.args[0], f"{getattr(exc_type, '__name__', 'error')}: {exc_value}"[:2000])
+
+
 def enqueue_report(report_id: int) -> bool:
     """Queue a report build; when Redis is away the report stays queued and can be retried."""
     try:
-        return _enqueue_unique("reports", build_report, f"atrium-report-{report_id}", report_id)
+        return _enqueue_unique("reports", build_report, f"atrium-report-{report_id}", report_id,
+                               retry=Retry(max=REPORT_RETRIES), on_failure=Callback(report_build_failed))
     except RedisError as exc:
         log.warning("report %s not enqueued (Redis unreachable: %s)", report_id, exc)
         return False

@@ -643,6 +643,13 @@ def request_report(actor, *, period_start: dt.date, period_end: dt.date, groupin
     return report
 
 
+def report_build_lost(report_id: int, error: str) -> None:
+    """A build that will not be retried any more (its worker died, or it failed every time):
+    the report says it failed, unless a build did finish."""
+    Report.objects.filter(pk=report_id).exclude(status=ReportStatus.DONE).update(
+        status=ReportStatus.FAILED, error=error or "the worker building this report stopped", finished=timezone.now())
+
+
 def build_report(report_id: int) -> Report:
     """Build a report's lines and files (the RQ job body); running it again rebuilds it whole."""
     from metering import exports
