@@ -20,12 +20,13 @@ import json
 import re
 import tempfile
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal
 
 from django.conf import settings
 from django.core.files import File
-from django.db import connections
+from django.db import connections, transaction
 from django.db.models import BigIntegerField, Case, Q, Sum, Value, When
 from django.db.models.functions import Cast, TruncDay
 from openpyxl import Workbook
@@ -174,6 +175,22 @@ def _units(value: Decimal, places: int) -> int:
     return int(value.scaleb(places))
 
 
+@contextmanager
+def _without_jit(using: str):
+    """Run the enclosed queries with PostgreSQL's JIT off. The planner turns JIT on for a scan of
+    a month of ledger rows, and compiling it (in every parallel worker, again for every query)
+    takes longer than it saves: on atrium_scale 14 monthly chunks took 14.4 s with JIT and 7.7 s
+    without, one month about 0.1 s less. SET LOCAL lasts until the end of this transaction."""
+    conn = connections[using]
+    if conn.vendor != "postgresql":
+        yield
+        return
+    with transaction.atomic(using=using):
+        with conn.cursor() as cur:
+            cur.execute("SET LOCAL jit = off")
+        yield
+
+
 def _grouped(qs, keys: list[str], sums: dict, by_day: bool, case):
     """(day or None, *keys, price pk or None, *sums) per group: the GROUP BY runs in PostgreSQL."""
     group = list(keys)
@@ -183,14 +200,11 @@ def _grouped(qs, keys: list[str], sums: dict, by_day: bool, case):
     if case is not None:
         qs = qs.annotate(price_pk=case)
         group.append("price_pk")
-    # integer sums stay integers (SUM(bigint) is numeric in PostgreSQL), and the rows are
-    # read straight from the cursor: a few thousand tuples need no ORM conversion per row
+    # integer sums stay integers (SUM(bigint) is numeric in PostgreSQL, a Decimal per row in Python)
     sums = {name: Cast(agg, BigIntegerField()) for name, agg in sums.items()}
     query = qs.values(*group).annotate(**sums).values_list(*group, *sums).order_by()
-    sql, params = query.query.sql_with_params()
-    with connections[query.db].cursor() as cur:
-        cur.execute(sql, params)
-        rows = cur.fetchall()
+    with _without_jit(query.db):
+        rows = list(query)
     n = len(keys)
     for r in rows:
         if by_day:
