@@ -7,6 +7,12 @@ policy a real backend uses. On every tick it also reports what each share of a s
 used (by default exactly its share; `set_utilisation` or `inject_fault(kind="interference")`
 makes a job greedy) and runs the interference check on those samples. It never admits or
 places anything: that is the cycle's job.
+
+`inject_backend_fault` makes it fail the way a real cluster API fails, for the tests and the
+demo: an *error* refuses one job's start or stop (reported in the tick's `errors`, tried again
+on the next tick), a *timeout* gives up half-way through a tick (the whole tick is one
+transaction, so nothing it did is kept). Either way every job stays in the state it really is
+in, and a job is started once however often a tick fails.
 """
 
 from __future__ import annotations
@@ -22,18 +28,59 @@ from scheduling import services
 from scheduling.models import Binding, BindingEnd, Job, JobEvent, JobState, UtilisationSample
 
 INTERFERENCE = "interference"
+BACKEND_FAULTS = ("error", "timeout")
+
+
+class ClusterError(Exception):
+    """The simulated cluster refused an operation on one job (an injected error)."""
+
+
+class ClusterTimeout(Exception):
+    """The simulated cluster stopped answering in the middle of a tick (an injected timeout)."""
+
+
+# Failures injected with inject_backend_fault, in this process, used up in order:
+# [kind, operation ("start" or "stop"), job id or None for any job, times left]
+_faults: list[list] = []
 
 
 class SimulatedCluster:
     name = "simulated"
 
+    def inject_backend_fault(self, *, kind: str, operation: str = "start", job: Job | None = None,
+                             times: int = 1) -> None:
+        """The next `times` starts (or stops) of `job` (or of any job) fail with `kind`."""
+        if kind not in BACKEND_FAULTS or operation not in ("start", "stop") or times < 1:
+            raise ValueError(f"no such backend fault: {kind} on {operation} x{times}")
+        _faults.append([kind, operation, job.pk if job else None, times])
+
+    def clear_backend_faults(self) -> None:
+        _faults.clear()
+
+    def _call(self, operation: str, job: Job) -> None:
+        """The cluster API call that carries `operation` out for `job` (here: only its failures)."""
+        for fault in _faults:
+            kind, op, job_id, _ = fault
+            if op == operation and job_id in (None, job.pk):
+                fault[3] -= 1
+                if not fault[3]:
+                    _faults.remove(fault)
+                if kind == "error":
+                    raise ClusterError(f"the simulated cluster refused to {operation} job {job.pk}")
+                raise ClusterTimeout(f"the simulated cluster did not answer while {operation}ing job {job.pk}")
+
     def tick(self, now: dt.datetime | None = None) -> dict:
         now = now or timezone.now()
-        started, finished = [], []
+        started, finished, errors = [], [], []
         with context.bound(actor_label="service:simulated-cluster"), transaction.atomic():
             # rows locked in id order and only the job rows, as the cycle does, so a tick and a
             # cycle (or a cancel) never wait on each other in a circle
             for job in Job.objects.select_for_update(of=("self",)).filter(state=JobState.ADMITTED).order_by("pk"):
+                try:
+                    self._call("start", job)
+                except ClusterError as exc:
+                    errors.append(str(exc))  # still admitted: started on a later tick
+                    continue
                 job.state = JobState.RUNNING
                 job.started = job.admitted or now
                 job.save(update_fields=["state", "started"])
@@ -46,6 +93,11 @@ class SimulatedCluster:
                 run_for = min(job.expected_minutes, job.time_limit_minutes)
                 end = job.started + dt.timedelta(minutes=run_for)
                 if end > now:
+                    continue
+                try:
+                    self._call("stop", job)
+                except ClusterError as exc:
+                    errors.append(str(exc))  # still running as far as anyone knows: ended on a later tick
                     continue
                 timed_out = job.expected_minutes > job.time_limit_minutes
                 job.state = JobState.FAILED if timed_out else JobState.SUCCEEDED
@@ -68,7 +120,8 @@ class SimulatedCluster:
         with context.bound(actor_label="service:simulated-cluster"):
             self.sample_utilisation(now)
             interference = services.check_interference(now)
-        return {"started": started, "finished": finished, "interference": [h["job"] for h in interference]}
+        return {"started": started, "finished": finished, "interference": [h["job"] for h in interference],
+                "errors": errors}
 
     def sample_utilisation(self, now: dt.datetime) -> int:
         """Report one sample per running share of a shared card, as a DCGM scrape would.
