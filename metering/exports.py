@@ -125,9 +125,10 @@ def within_usage_reach(user, qs):
 
 
 def _chunks(lo: dt.datetime, hi: dt.datetime):
-    """Calendar-month pieces of the period: one ledger scan per month keeps the job near the
-    SQL floor (smaller pieces turn one sequential scan into many index scans) and still gives
-    a long report visible progress."""
+    """Calendar-month pieces of the period, one ledger query each, so a long report shows
+    progress. The price: over all 14 months of atrium_scale the 14 queries take 7.7 s where one
+    query over the whole period takes 3.7 s (psql, JIT off, load ~6); a monthly report is one
+    piece and pays nothing. Smaller pieces than a month would cost more still."""
     t = lo
     while t < hi:
         end = min(hi, services.day_start(services.next_month(t.date())))
