@@ -6,12 +6,27 @@ is deliberately small; tests that need the full demo call `seed_demo` themselves
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from django.contrib.auth import get_user_model
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from portal import context
 
 PASSWORD = "a-test-password-9f3k"
+
+# Hypothesis budgets. `make test` runs the default profile: each fuzz test keeps its own small,
+# mostly derandomized budget. `make fuzz` sets ATRIUM_HYPOTHESIS_PROFILE=fuzz: fresh random
+# examples, no deadline, and at least ATRIUM_FUZZ_EXAMPLES examples per fuzz test (the tests
+# read hypothesis_settings.default.max_examples when this profile is loaded).
+hypothesis_settings.register_profile(
+    "fuzz", max_examples=int(os.environ.get("ATRIUM_FUZZ_EXAMPLES", "1000")), deadline=None, derandomize=False,
+    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                            HealthCheck.function_scoped_fixture],
+)
+hypothesis_settings.load_profile(os.environ.get("ATRIUM_HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture

@@ -33,7 +33,9 @@ from portal.tests.test_matrix import _Rollback, fill, url_patterns
 from tenants import matrix
 from tenants.tests.factories import build_world, client_for
 
-EXAMPLES = 14
+# make fuzz loads the "fuzz" hypothesis profile (conftest.py): a bigger, randomized budget
+FUZZING = hsettings.get_current_profile_name() == "fuzz"
+EXAMPLES = max(14, hsettings.default.max_examples) if FUZZING else 14
 OMIT = object()
 # Tables whose rows a refused request may legitimately add: the audit trail of the refusal
 # (and its chain head), the session store, and a refused sign-in's failure counter (axes).
@@ -151,7 +153,7 @@ def body_strategy(body: dict, foreign: list[str]):
 
 
 def _fuzzer(target: dict, client, baseline: dict, bodies, seen: dict, other_names):
-    @hsettings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+    @hsettings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=not FUZZING,
                suppress_health_check=list(HealthCheck))
     @given(body=bodies)
     def post_garbage(body):
