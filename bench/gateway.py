@@ -1,9 +1,10 @@
 """Benchmark: gateway overhead (BENCHMARKS.md section 5).
 
 Starts the repo's OpenAI-compatible upstream (serving/upstream.py) and the portal under
-gunicorn, both on loopback, prepares
+gunicorn (the repository's gunicorn.conf.py, as production runs it; two workers for the two
+CPUs of this machine), both on loopback, prepares
 one tenant/project/published service/API key through the real services, then, for every
-scenario (concurrency x upstream latency), sends the same load straight to the upstream and
+scenario (clients x upstream latency), sends the same load straight to the upstream and
 through the gateway, back to back: same generator, same concurrency, same duration, one run
 each, after a warm-up of each. Prints p50/p99 latency and requests/s of both, the latency the
 gateway adds, and the CPU each side spent per request (gunicorn's processes and their
@@ -14,12 +15,14 @@ that on a 2-core machine it does not eat the CPU the gateway needs; without wrk 
 Python threads with one requests.Session each (noticeably heavier: its figures say so). The
 upstream latency of a scenario is injected per request with the upstream's `[[sleep:MS]]`
 marker, so the direct and the gateway run meet exactly the same upstream. With 0 ms the run
-is CPU-saturated (the figure to watch for CPU per request); a model server's latency (default
-100 ms) is the realistic figure. A measurement, not a timed test. Needs PostgreSQL and Redis
-(BENCH_DATABASE_URL, REDIS_URL; default a dedicated atrium_bench_gateway database, Redis db 13).
+is CPU-saturated: the added latency is then about clients x CPU per request / CPUs, the
+figure to watch for CPU per request. A model server's latency is the realistic case: 100 ms
+is a short answer's time to first token, 500 ms a short completion of a small model. A
+measurement, not a timed test. Needs PostgreSQL and Redis (BENCH_DATABASE_URL, REDIS_URL;
+default a dedicated atrium_bench_gateway database, Redis db 13).
 
-    .venv/bin/python bench/gateway.py                                  # 32 and 1 clients x 0 and 100 ms
-    .venv/bin/python bench/gateway.py --concurrency 32 --upstream-latency-ms 0 --seconds 20
+    .venv/bin/python bench/gateway.py                          # 32 clients x 0/100/500 ms, 1 client x 0/100 ms
+    .venv/bin/python bench/gateway.py --scenarios 32x0 --seconds 20 --gunicorn-args "-w 2 --threads 8"
 """
 
 from __future__ import annotations
@@ -163,18 +166,34 @@ def _backend_pids(db_url: str) -> list[int]:
     return [r[0] for r in rows]
 
 
-class CpuMeter:
-    """CPU seconds spent by a set of processes between start() and stop()."""
+def wait_settled(pids_fn, timeout: float = 180) -> None:
+    """Until the processes stop burning CPU: gunicorn answers /healthz from its first booted
+    worker while the others are still importing Django, which would be measured as load."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        before = sum(_cpu_seconds(pid) for pid in pids_fn())
+        time.sleep(1.0)
+        if sum(_cpu_seconds(pid) for pid in pids_fn()) - before < 0.05:
+            return
+    raise SystemExit("gunicorn's workers did not settle")
 
-    def __init__(self, pids_fn):
-        self.pids_fn = pids_fn
+
+class CpuMeter:
+    """CPU seconds spent by named sets of processes between start() and stop()."""
+
+    def __init__(self, **pids_fns):
+        self.pids_fns = pids_fns
 
     def start(self) -> None:
-        self.before = {pid: _cpu_seconds(pid) for pid in self.pids_fn()}
+        self.before = {name: {pid: _cpu_seconds(pid) for pid in fn()} for name, fn in self.pids_fns.items()}
 
-    def stop(self) -> float:
-        after = {pid: _cpu_seconds(pid) for pid in self.pids_fn()}
-        return sum(cpu - self.before.get(pid, 0.0) for pid, cpu in after.items())
+    def stop(self, requests: int) -> dict:
+        out = {}
+        for name, fn in self.pids_fns.items():
+            spent = sum(_cpu_seconds(pid) - self.before[name].get(pid, 0.0) for pid in fn())
+            out[name] = round(spent / max(1, requests) * 1000, 3)
+        out["total"] = round(sum(out.values()), 3)
+        return out
 
 
 # --- load generators ------------------------------------------------------------------------
@@ -218,14 +237,14 @@ def wrk_load(url: str, headers: dict, body: dict, *, concurrency: int, seconds: 
             run(warmup)
         meter.start()
         r = run(seconds)
-        cpu = meter.stop()
+        cpu = meter.stop(r["requests"])
     finally:
         os.unlink(script)
     ok = r["requests"] - r["errors"]
     return {"requests": ok, "errors": r["errors"], "rps": round(ok / (r["duration_us"] / 1e6), 1),
             "p50_ms": round(r["p50_us"] / 1000, 3), "p99_ms": round(r["p99_us"] / 1000, 3),
             "mean_ms": round(r["mean_us"] / 1000, 3), "max_ms": round(r["max_us"] / 1000, 3),
-            "server_cpu_ms_per_request": round(cpu / max(1, r["requests"]) * 1000, 3)}
+            "cpu_ms_per_request": cpu}
 
 
 def python_load(url: str, headers: dict, body: dict, *, concurrency: int, seconds: float, warmup: float,
@@ -267,17 +286,21 @@ def python_load(url: str, headers: dict, body: dict, *, concurrency: int, second
     meter.start()
     for t in threads:
         t.join()
-    cpu = meter.stop()
+    cpu = meter.stop(len(latencies) + errors[0])
     latencies.sort()
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     return {"requests": len(latencies), "errors": errors[0], "rps": round(len(latencies) / seconds, 1),
             "p50_ms": round(q[49] * 1000, 3), "p99_ms": round(q[98] * 1000, 3),
             "mean_ms": round(statistics.fmean(latencies) * 1000, 3), "max_ms": round(latencies[-1] * 1000, 3),
-            "server_cpu_ms_per_request": round(cpu / max(1, len(latencies) + errors[0]) * 1000, 3)}
+            "cpu_ms_per_request": cpu}
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in re.split(r"[,\s]+", text.strip()) if x]
+def _scenarios(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in re.split(r"[,\s]+", text.strip()):
+        clients, _, latency = item.partition("x")
+        out.append((int(clients), int(latency or 0)))
+    return out
 
 
 def loadavg() -> list[float]:
@@ -286,13 +309,13 @@ def loadavg() -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", default="32,1", help="comma-separated client counts (default 32,1)")
-    ap.add_argument("--upstream-latency-ms", default="0,100",
-                    help="comma-separated upstream latencies in ms (0 = CPU saturation; default 0,100)")
+    ap.add_argument("--scenarios", default="32x0,32x100,32x500,1x0,1x100",
+                    help="comma-separated CLIENTSxUPSTREAM_MS (0 ms = CPU saturation)")
     ap.add_argument("--seconds", type=float, default=15)
-    ap.add_argument("--warmup", type=float, default=3)
+    ap.add_argument("--warmup", type=float, default=8,
+                    help="seconds of load before each measured run (every gunicorn thread opens its connections)")
     ap.add_argument("--generator", choices=("auto", "wrk", "python"), default="auto")
-    ap.add_argument("--gunicorn-args", default="-w 2 --threads 8 --keep-alive 30", help="gunicorn's worker arguments")
+    ap.add_argument("--gunicorn-args", default="-w 2", help="gunicorn flags on top of gunicorn.conf.py")
     args = ap.parse_args()
     generator = args.generator
     if generator == "auto":
@@ -323,32 +346,34 @@ def main() -> None:
         procs.append(subprocess.Popen(gunicorn_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL))
         wait_http(f"http://127.0.0.1:{gw_port}/healthz")
         gunicorn_pid, upstream_pid = procs[1].pid, procs[0].pid
-        gateway_cpu = CpuMeter(lambda: [gunicorn_pid, *_children(gunicorn_pid), *_backend_pids(db)])
-        upstream_cpu = CpuMeter(lambda: [upstream_pid])
-        for concurrency in _ints(args.concurrency):
-            for latency in _ints(args.upstream_latency_ms):
-                text = "how long is a piece of string" + (f" [[sleep:{latency}]]" if latency else "")
-                body = {"model": "bench-chat", "messages": [{"role": "user", "content": text}], "max_tokens": 16}
-                kw = {"concurrency": concurrency, "seconds": args.seconds, "warmup": args.warmup}
-                la = loadavg()[0]
-                direct = load(upstream + "/chat/completions", {}, {**body, "model": "demo-llm"}, meter=upstream_cpu,
-                              **kw)
-                gateway = load(f"http://127.0.0.1:{gw_port}/v1/chat/completions", {"Authorization": f"Bearer {key}"},
-                               body, meter=gateway_cpu, **kw)
-                added = {"p50_ms": round(gateway["p50_ms"] - direct["p50_ms"], 3),
-                         "p99_ms": round(gateway["p99_ms"] - direct["p99_ms"], 3)}
-                scenario = {"concurrency": concurrency, "upstream_latency_ms": latency, "loadavg_1m_before": la,
-                            "direct": direct, "gateway": gateway, "added": added,
-                            "rps_ratio": round(gateway["rps"] / direct["rps"], 3) if direct["rps"] else None}
-                if concurrency == 32:
-                    scenario["meets_target"] = (added["p50_ms"] <= TARGET["p50_ms"]
-                                                and added["p99_ms"] <= TARGET["p99_ms"])
-                scenarios.append(scenario)
-                print(f"{concurrency:>3} clients, upstream {latency:>3} ms (load {la:.2f}): "
-                      f"direct p50 {direct['p50_ms']:.2f} p99 {direct['p99_ms']:.2f} ms {direct['rps']:.0f} req/s | "
-                      f"gateway p50 {gateway['p50_ms']:.2f} p99 {gateway['p99_ms']:.2f} ms {gateway['rps']:.0f} req/s "
-                      f"({gateway['errors']} errors, {gateway['server_cpu_ms_per_request']:.2f} ms CPU/req) | "
-                      f"added p50 {added['p50_ms']:.2f} p99 {added['p99_ms']:.2f} ms", flush=True)
+        wait_settled(lambda: [gunicorn_pid, *_children(gunicorn_pid)])
+        gateway_cpu = CpuMeter(gunicorn=lambda: [gunicorn_pid, *_children(gunicorn_pid)],
+                               postgres=lambda: _backend_pids(db), upstream=lambda: [upstream_pid])
+        upstream_cpu = CpuMeter(upstream=lambda: [upstream_pid])
+        for concurrency, latency in _scenarios(args.scenarios):
+            text = "how long is a piece of string" + (f" [[sleep:{latency}]]" if latency else "")
+            body = {"model": "bench-chat", "messages": [{"role": "user", "content": text}], "max_tokens": 16}
+            kw = {"concurrency": concurrency, "seconds": args.seconds, "warmup": args.warmup}
+            la = loadavg()[0]
+            direct = load(upstream + "/chat/completions", {}, {**body, "model": "demo-llm"}, meter=upstream_cpu,
+                          **kw)
+            gateway = load(f"http://127.0.0.1:{gw_port}/v1/chat/completions", {"Authorization": f"Bearer {key}"},
+                           body, meter=gateway_cpu, **kw)
+            added = {"p50_ms": round(gateway["p50_ms"] - direct["p50_ms"], 3),
+                     "p99_ms": round(gateway["p99_ms"] - direct["p99_ms"], 3)}
+            scenario = {"concurrency": concurrency, "upstream_latency_ms": latency, "loadavg_1m_before": la,
+                        "direct": direct, "gateway": gateway, "added": added,
+                        "rps_ratio": round(gateway["rps"] / direct["rps"], 3) if direct["rps"] else None}
+            if concurrency == 32:
+                scenario["meets_target"] = (added["p50_ms"] <= TARGET["p50_ms"]
+                                            and added["p99_ms"] <= TARGET["p99_ms"])
+            scenarios.append(scenario)
+            print(f"{concurrency:>3} clients, upstream {latency:>3} ms (load {la:.2f}): "
+                  f"direct p50 {direct['p50_ms']:.2f} p99 {direct['p99_ms']:.2f} ms {direct['rps']:.0f} req/s | "
+                  f"gateway p50 {gateway['p50_ms']:.2f} p99 {gateway['p99_ms']:.2f} ms {gateway['rps']:.0f} req/s "
+                  f"({gateway['errors']} errors; CPU ms/req: gunicorn {gateway['cpu_ms_per_request']['gunicorn']:.2f}, "
+                  f"postgres {gateway['cpu_ms_per_request']['postgres']:.2f}) | "
+                  f"added p50 {added['p50_ms']:.2f} p99 {added['p99_ms']:.2f} ms", flush=True)
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -359,8 +384,9 @@ def main() -> None:
         "generator": generator, "seconds": args.seconds, "warmup": args.warmup,
         "gunicorn": " ".join(gunicorn_cmd[3:]), "scenarios": scenarios,
         "target_added_at_32_clients": TARGET, "litellm_published_overhead": LITELLM,
-        "cpu_note": "server_cpu_ms_per_request: gateway = gunicorn processes + their PostgreSQL backends; "
-                    "direct = the upstream process (Redis not counted)",
+        "cpu_note": "cpu_ms_per_request: CPU time of gunicorn's processes, of the PostgreSQL backends serving the "
+                    "benchmark database and of the upstream, divided by the requests of the run (Redis, shared with "
+                    "other users of the machine, is not counted)",
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "loadavg_before": load_before, "loadavg_after": loadavg()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
