@@ -402,14 +402,48 @@ def rollup_month(month: dt.date) -> int:
     return len(objs)
 
 
+def collect_tokens(since: dt.datetime, until: dt.datetime) -> int:
+    """Bring the gateway's hourly token counts into the metering ledger; returns rows written.
+
+    The gateway (serving) meters every successful request into its own hourly row per (hour,
+    key, service) at request time; reports and budgets read metering's TokenUsage. This copies
+    the gateway's rows of [since, until) over by upsert on the ledger's unique key, setting the
+    absolute counts (never adding), so running it twice, or after a crash, gives the same ledger.
+    """
+    from serving.models import TokenUsage as GatewayUsage
+
+    rows: dict[tuple, TokenUsage] = {}
+    for g in (GatewayUsage.objects.filter(hour__gte=hour_floor(since), hour__lt=until)
+              .select_related("api_key", "service").order_by("hour", "pk")):
+        key = (g.hour, g.api_key.prefix, g.project_id, g.service.slug)
+        row = rows.get(key)
+        if row is None:  # two keys of one project could share a prefix: one ledger row, summed
+            rows[key] = TokenUsage(hour=g.hour, tenant_id=g.tenant_id, project_id=g.project_id, api_key=g.api_key.prefix,
+                                   model_service=g.service.slug, model_name=g.base_model, input_tokens=g.input_tokens,
+                                   output_tokens=g.output_tokens, requests=g.requests)
+        else:
+            row.input_tokens += g.input_tokens
+            row.output_tokens += g.output_tokens
+            row.requests += g.requests
+    TokenUsage.objects.bulk_create(
+        list(rows.values()), batch_size=_batch(), update_conflicts=True,
+        unique_fields=["hour", "api_key", "project", "model_service"],
+        update_fields=["tenant", "model_name", "input_tokens", "output_tokens", "requests"],
+    )
+    return len(rows)
+
+
 def rollup(since: dt.date, until: dt.date, *, accrue_first: bool = True, now: dt.datetime | None = None) -> dict:
-    """Accrue the ledger, then recompute daily rollups of [since, until] and their months.
+    """Accrue the ledger (card time from bindings, tokens from the gateway), then recompute
+    daily rollups of [since, until] and their months.
 
     Each day is its own transaction; a crash leaves finished days correct and the rest as
     before, and a retry recomputes everything from the ledger, so totals never double.
     """
     now = now or timezone.now()
     written = accrue(until=now, since=day_start(since)) if accrue_first else 0
+    if accrue_first:
+        written += collect_tokens(day_start(since), now)
     days, months = 0, set()
     d = since
     while d <= until:
