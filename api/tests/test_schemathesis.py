@@ -35,6 +35,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 EXAMPLES = int(os.environ.get("ATRIUM_SCHEMATHESIS_EXAMPLES", "8"))
 # make test must stay well under 90 s on a busy machine; the fuzzing itself gets at most this much
 BUDGET_SECONDS = int(os.environ.get("ATRIUM_SCHEMATHESIS_BUDGET", "60"))
+# the budget is checked before each operation's batch, so the last batch may run over by this
+# much (make fuzz, with hundreds of examples per batch, allows more)
+OVERRUN_SECONDS = int(os.environ.get("ATRIUM_SCHEMATHESIS_OVERRUN", "15"))
 # Shrinking is left out so that a failure costs seconds, not minutes.
 HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None, database=None,
                       derandomize="ATRIUM_SCHEMATHESIS_EXAMPLES" not in os.environ,
@@ -147,7 +150,7 @@ def test_every_operation_conforms_to_the_schema_over_http(world, live_server):
     assert set(good) <= covered, set(good) - covered
     assert succeeded == covered, sorted(covered - succeeded)
     assert PersonalAccessToken.objects.get(pk=own_id).revoked is None
-    assert elapsed < BUDGET_SECONDS + 15, f"schemathesis took {elapsed:.0f} s"
+    assert elapsed < BUDGET_SECONDS + OVERRUN_SECONDS, f"schemathesis took {elapsed:.0f} s"
 
 
 # --- what schemathesis found, pinned as plain tests --------------------------------------------
