@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -238,21 +239,35 @@ def _admit(caller: svc.Caller) -> list[ratelimit.Limit]:
 
 # --- upstream ---------------------------------------------------------------------------
 
-# One pool per process, shared by its threads: kept-alive connections to each model server,
-# never a proxy from the environment, no redirects followed, retries done below (bounded).
-_pool = urllib3.PoolManager(num_pools=32, maxsize=64, block=False, retries=False)
+# One connection pool per model server and process, shared by its threads: kept-alive
+# connections, never a proxy from the environment, no redirects followed, retries done below.
+_pools: dict[str, tuple[urllib3.HTTPConnectionPool, str]] = {}
+_pools_lock = threading.Lock()
 _JSON = {"Content-Type": "application/json", "Accept": "application/json"}
 
 
+def _pool(upstream_url: str) -> tuple[urllib3.HTTPConnectionPool, str]:
+    """(the pool of this model server, the path prefix of its API), made once per URL."""
+    found = _pools.get(upstream_url)
+    if found is None:
+        prefix = urllib3.util.parse_url(upstream_url).path or ""
+        pool = urllib3.connection_from_url(upstream_url, maxsize=64, block=False, retries=False)
+        with _pools_lock:
+            if len(_pools) > 256:  # URLs changed many times over: start again rather than grow
+                _pools.clear()
+            found = _pools.setdefault(upstream_url, (pool, prefix.rstrip("/")))
+    return found
+
+
 def _post(service: ModelService, path: str, body: dict, *, stream: bool = False) -> urllib3.BaseHTTPResponse:
-    url = service.upstream_url + path
     data = json.dumps(body, allow_nan=False).encode()
     timeout = urllib3.Timeout(connect=service.connect_timeout, read=service.read_timeout)
     for attempt in range(RETRIES + 1):
         last = attempt == RETRIES
         try:
-            resp = _pool.request("POST", url, body=data, headers=_JSON, timeout=timeout, retries=False,
-                                 redirect=False, preload_content=not stream)
+            pool, prefix = _pool(service.upstream_url)
+            resp = pool.urlopen("POST", prefix + path, body=data, headers=_JSON, timeout=timeout, retries=False,
+                                redirect=False, preload_content=not stream)
         except urllib3.exceptions.ReadTimeoutError:
             raise GatewayError(504, "The model server did not answer in time; the request was not billed.",
                                type_="server_error", code="upstream_timeout") from None

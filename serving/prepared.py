@@ -3,71 +3,72 @@
 Every gateway call runs the same two statements (the key check and the metering write). The
 ORM compiles each query anew (more CPU than the query costs to run), and PostgreSQL plans
 each anew (the key check's permission joins took ~3 ms to plan and 0.2 ms to run). A
-`Statement` is written once with named parameters, sent as `PREPARE name(types) AS ...` the
-first time a connection runs it, then as `EXECUTE name(...)`: no compilation, no planning.
-Prepared statements outlive a rolled-back transaction and end with their session, so the set
-of prepared names is kept on the psycopg connection object itself and a new connection
-prepares again. On SQLite (development) the same text runs as a plain parameterised query.
+`Statement` is written once with named parameters and runs on a psycopg cursor with
+server-side binding and `prepare=True`: psycopg prepares it the first time a connection runs
+it and then only binds values (no SQL text to quote and parse, no planning); a new connection
+prepares again by itself. On SQLite (development) the same text runs as a plain query.
 
-Statements go through Django's cursor (errors are django.db errors, queries are logged and
-counted like any other). Values are always parameters; only identifiers taken from model
-metadata are written into the text. This module never caches a result.
+The cursor is wrapped by Django's own cursor wrapper, so errors are django.db errors and the
+statements are logged and counted like any other query. Values are always parameters; only
+identifiers taken from model metadata are written into the text. This module never caches a
+result.
 """
 
 from __future__ import annotations
 
-import re
+from contextlib import contextmanager
 
+import psycopg
 from django.db import connection
+from django.db.backends.utils import CursorDebugWrapper
 
-_PARAM = re.compile(r"%\((\w+)\)s")
+# Django opens connections with prepare_threshold=None (psycopg never prepares); a threshold no
+# query reaches lets psycopg prepare exactly what a _PreparingCursor runs. Django's own cursors
+# bind on the client side and are never prepared, whatever the threshold.
+_EXPLICIT_ONLY = 2**31
+
+
+class _PreparingCursor(psycopg.Cursor):
+    def execute(self, query, params=None, *, prepare=None, binary=None):
+        return super().execute(query, params, prepare=True, binary=binary)
+
+
+class _DebugWrapper(CursorDebugWrapper):
+    # psycopg keeps no text of a prepared query for Django's last_executed_query: log the
+    # statement as written (parameters as %(name)s) instead of None
+    @contextmanager
+    def debug_sql(self, sql=None, params=None, use_last_executed_query=False, many=False):
+        with super().debug_sql(sql, params, use_last_executed_query=False, many=many):
+            yield
+
+
+def _cursor():
+    """What connection.cursor() does, with a server-binding cursor that prepares its statements."""
+    if connection.vendor != "postgresql":
+        return connection.cursor()
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    with connection.wrap_database_errors:
+        if connection.connection.prepare_threshold is None:
+            connection.connection.prepare_threshold = _EXPLICIT_ONLY
+        raw = _PreparingCursor(connection.connection)
+    return _DebugWrapper(raw, connection) if connection.queries_logged else connection.make_cursor(raw)
 
 
 class Statement:
-    def __init__(self, name: str, build, types: dict[str, str]):
-        """`build()` returns the SQL with %(name)s parameters (called once, after the models
-        are loaded); `types` gives each parameter's PostgreSQL type, in any order."""
-        if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
-            raise ValueError(f"bad statement name {name!r}")
-        self.name, self.build, self.types = name, build, types
+    def __init__(self, build):
+        """`build()` returns the SQL with %(name)s parameters; called once, after the models load."""
+        self.build = build
         self._sql: str | None = None
-        self._order: list[str] = []
-        self._prepare = self._execute = ""
 
-    def _compile(self) -> None:
-        sql = self.build()
-        order: list[str] = []
-
-        def number(m: re.Match) -> str:
-            if m.group(1) not in order:
-                order.append(m.group(1))
-            return f"${order.index(m.group(1)) + 1}"
-
-        pg = _PARAM.sub(number, sql)
-        missing = set(order) ^ set(self.types)
-        if missing:
-            raise ValueError(f"statement {self.name}: parameters and types differ on {sorted(missing)}")
-        self._prepare = f"PREPARE {self.name}({', '.join(self.types[p] for p in order)}) AS {pg}"
-        self._execute = f"EXECUTE {self.name}({', '.join(['%s'] * len(order))})"
-        self._order = order
-        self._sql = sql
-
-    def run(self, cursor, values: dict):
-        """Execute on `cursor` (a django.db cursor of the default connection); returns the cursor."""
+    def fetchone(self, values: dict):
         if self._sql is None:
-            self._compile()
-        if connection.vendor != "postgresql":
-            cursor.execute(self._sql, values)
-            return cursor
-        raw = connection.connection
-        ready = getattr(raw, "_atrium_prepared", None)
-        if ready is None:
-            ready = raw._atrium_prepared = set()
-        if self.name not in ready:
-            cursor.execute(self._prepare)
-            ready.add(self.name)
-        cursor.execute(self._execute, [values[p] for p in self._order])
-        return cursor
+            self._sql = self.build()
+        with _cursor() as cur:
+            # nosemgrep: atrium-raw-sql-string-formatting -- identifiers from model metadata, values are parameters
+            cur.execute(self._sql, values)
+            return cur.fetchone()
 
 
 def select_columns(model, alias: str) -> str:

@@ -476,8 +476,7 @@ def _key_check_sql() -> str:
     )
 
 
-_KEY_CHECK = Statement("atrium_gateway_key_check", _key_check_sql,
-                                {"digest": "text", "service": "text", "month": "timestamptz", "perm": "text"})
+_KEY_CHECK = Statement(_key_check_sql)
 
 
 def authenticate_key(raw: str, *, service: str | None = None) -> Caller:
@@ -526,15 +525,13 @@ def _key_check_row(values: dict):
     if retry:
         connection.health_check_done = True
     try:
-        with connection.cursor() as cur:
-            return _KEY_CHECK.run(cur, values).fetchone()
+        return _KEY_CHECK.fetchone(values)
     except DatabaseError as exc:
         if not (retry and is_db_outage(exc)):
             raise
         log.warning("gateway: the database connection was gone, reconnecting (%s)", type(exc).__name__)
         connection.close()
-    with connection.cursor() as cur:
-        return _KEY_CHECK.run(cur, values).fetchone()
+    return _KEY_CHECK.fetchone(values)
 
 
 class _K:  # where the parts of a key-check row start
@@ -630,8 +627,7 @@ def record_usage(*, uid: uuid.UUID, key: ApiKey, service: ModelService, endpoint
               "inp": inp, "out": out, "metered": metered, "note": note[:200], "request_id": request_id[:64],
               "hour": hour_of(now), "base_model": service.base_model}
     if connection.vendor == "postgresql":
-        with connection.cursor() as cur:
-            recorded = _METER.run(cur, values).fetchone() is not None
+        recorded = _METER.fetchone(values) is not None
     else:  # SQLite (development): no data-modifying CTE; the same two writes in one transaction
         try:
             with transaction.atomic(), connection.cursor() as cur:
@@ -685,7 +681,4 @@ def _meter_sql() -> str:
     )
 
 
-_METER = Statement("atrium_gateway_meter", _meter_sql, {
-    "uid": "uuid", "time": "timestamptz", "tenant": "bigint", "project": "bigint", "key": "bigint", "service": "bigint",
-    "application": "bigint", "endpoint": "text", "inp": "integer", "out": "integer", "metered": "boolean",
-    "note": "text", "request_id": "text", "hour": "timestamptz", "base_model": "text"})
+_METER = Statement(_meter_sql)
