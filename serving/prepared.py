@@ -78,4 +78,14 @@ def select_columns(model, alias: str) -> str:
 
 def from_row(model, values):
     """A model instance from the values of `select_columns(model, ...)`, as the ORM would build it."""
-    return model.from_db(connection.alias, [f.attname for f in model._meta.concrete_fields], values)
+    fields = model._meta.concrete_fields
+    if connection.vendor != "postgresql":  # SQLite answers text for dates and times: the ORM's converters
+        values = [_converted(model, f, v) for f, v in zip(fields, values, strict=True)]
+    return model.from_db(connection.alias, [f.attname for f in fields], values)
+
+
+def _converted(model, field, value):
+    col = field.get_col(model._meta.db_table)
+    for convert in connection.ops.get_db_converters(col) + field.get_db_converters(connection):
+        value = convert(value, col, connection)
+    return value

@@ -629,6 +629,9 @@ def record_usage(*, uid: uuid.UUID, key: ApiKey, service: ModelService, endpoint
     if connection.vendor == "postgresql":
         recorded = _METER.fetchone(values) is not None
     else:  # SQLite (development): no data-modifying CTE; the same two writes in one transaction
+        for name, field in (("uid", GatewayRequest._meta.get_field("uid")), ("time", GatewayRequest._meta.get_field("time")),
+                            ("hour", TokenUsage._meta.get_field("hour"))):
+            values[name] = field.get_db_prep_value(values[name], connection)  # as the ORM stores them
         try:
             with transaction.atomic(), connection.cursor() as cur:
                 # nosemgrep: atrium-raw-sql-string-formatting -- table names from model metadata, values are parameters
