@@ -34,6 +34,19 @@ def _json_safe(value):
     return str(value)
 
 
+def lock_chain() -> None:
+    """Take the audit chain's lock now, for the rest of the current transaction.
+
+    A service that locks rows and then writes an audit event must call this before its row
+    locks: the scheduling cycle holds the chain's lock while it updates jobs, so taking row
+    locks first and the chain's lock second deadlocks against it (seen under load on cancel).
+    Re-taking it in record() within the same transaction is free.
+    """
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", [_CHAIN_LOCK])
+
+
 def record(
     action: str,
     *,

@@ -301,6 +301,7 @@ def cancel_job(actor, job: Job, *, reason: str = "") -> Job:
         raise ValidationError({"state": f"job {job.pk} is already {job.state}"})
     now = timezone.now()
     with transaction.atomic():
+        audit.lock_chain()  # before the job's row lock: the cycle takes them in this order
         job = Job.objects.select_for_update().get(pk=job.pk)
         if job.is_final:
             raise ValidationError({"state": f"job {job.pk} is already {job.state}"})
