@@ -74,9 +74,7 @@ def record(
     user = actor if getattr(actor, "is_authenticated", False) else None
     label = actor_label or (user.get_username() if user else "") or ctx.actor_label or "anonymous"
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cur:
-                cur.execute("SELECT pg_advisory_xact_lock(%s)", [_CHAIN_LOCK])
+        lock_chain()
         last = AuditEvent.objects.order_by("-id").values_list("hash", flat=True).first()
         event = AuditEvent(
             time=timezone.now(),
