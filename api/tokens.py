@@ -72,6 +72,7 @@ def revoke_token(actor, token: PersonalAccessToken) -> PersonalAccessToken:
         # callers look tokens up among the actor's own; this guards a future caller that does not
         raise PermissionDenied("you may revoke only your own tokens")
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         token = PersonalAccessToken.objects.select_for_update().get(pk=token.pk)
         if token.revoked is not None:
             raise ValidationError({"token": f"token {token.prefix}… is already revoked"})

@@ -286,6 +286,8 @@ def rollup_day(day: dt.date) -> int:
 def _replace_rollup(granularity: str, period: dt.date, objs: list[UsageRollup]) -> None:
     keys = ["granularity", "period", "tenant", "project", "accelerator_model", "pool"]
     if objs:
+        # rows upserted in key order, so two rollups of overlapping days lock them in one order
+        objs = sorted(objs, key=lambda o: (o.tenant_id, o.project_id or 0, o.accelerator_model_id or 0, o.pool_id or 0))
         UsageRollup.objects.bulk_create(objs, update_conflicts=True, unique_fields=keys,
                                         update_fields=["milli_card_seconds", "cost"])
     present = {(o.tenant_id, o.project_id, o.accelerator_model_id, o.pool_id) for o in objs}
@@ -521,6 +523,7 @@ def set_budget(actor, *, tenant, project=None, unit: str = BudgetUnit.MONEY, amo
     if amount <= 0:
         deny(actor, action, "a budget must be positive", tenant=tenant, project=project)
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         existing = (Budget.objects.select_for_update().filter(tenant=tenant, project=project, unit=unit)
                     .order_by("pk").first())
         before = ({"amount": existing.amount, "mode": existing.mode, "thresholds": existing.thresholds}

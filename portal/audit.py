@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from django.db import connection, transaction
 from django.utils import timezone
 
-from portal import context
+from portal import context, locks
 from portal.models import AuditEvent, AuditOutcome
 
 GENESIS = "0" * 64
-_CHAIN_LOCK = 7_310_001  # advisory lock key for appending to the audit chain
+_CHAIN_LOCK = locks.AUDIT_CHAIN
 
 
 def _json_safe(value):
@@ -37,9 +37,11 @@ def _json_safe(value):
 def lock_chain() -> None:
     """Take the audit chain's lock now, for the rest of the current transaction.
 
-    A service that locks rows and then writes an audit event must call this before its row
-    locks: the scheduling cycle holds the chain's lock while it updates jobs, so taking row
-    locks first and the chain's lock second deadlocks against it (seen under load on cancel).
+    The chain's lock is the outermost lock: a service that locks rows (jobs, cards, nodes) and
+    writes an audit event in the same transaction calls this before its first row lock. The
+    scheduling cycle, cancel, the backends' state changes and health requeues all do, so no
+    two of them wait on each other in a circle (row lock then chain lock deadlocked under load:
+    cancels against the cycle, and runners against each other with the cycle lock off).
     Re-taking it in record() within the same transaction is free.
     """
     if connection.vendor == "postgresql":

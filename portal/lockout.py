@@ -31,7 +31,7 @@ from django.shortcuts import render
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from portal import audit
+from portal import audit, locks
 from portal.middleware import client_address
 from portal.models import AuditEvent, AuditOutcome
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 LOCKOUT_ACTION = "auth.lockout"
 # Request attribute: the throttle refused this attempt because the pair is already locked.
 REFUSED_ATTR = "atrium_login_locked"
-_LOCKOUT_AUDIT_LOCK = 7_310_002  # advisory lock: one lockout event even when failures race
+_LOCKOUT_AUDIT_LOCK = locks.LOGIN_LOCKOUT  # one lockout event even when failures race
 
 
 class LocalLoginThrottle(AxesStandaloneBackend):

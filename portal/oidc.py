@@ -345,7 +345,7 @@ class AtriumOIDCBackend(_DiscoveredEndpoints, OIDCAuthenticationBackend):
         groups = userinfo.get(claim, payload.get(claim, []))
 
         with transaction.atomic():
-            identity = (ExternalIdentity.objects.select_for_update().select_related("user")
+            identity = (ExternalIdentity.objects.select_for_update(of=("self",)).select_related("user")
                         .filter(issuer=issuer, subject=subject).first())
             if identity is None:
                 if not settings.OIDC_CREATE_USER:

@@ -21,7 +21,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from metering.services import raise_alarm
-from portal import audit, context
+from portal import audit, context, locks
 from portal.models import AuditEvent
 from scheduling.engine import cycle as engine_cycle
 from scheduling.engine import quota as engine_quota
@@ -56,7 +56,7 @@ from scheduling.models import (
 
 log = logging.getLogger(__name__)
 
-CYCLE_LOCK_KEY = 7_310_002
+CYCLE_LOCK_KEY = locks.SCHEDULING_CYCLE
 QUEUED_STATES = (JobState.PENDING, JobState.PREEMPTED)
 
 
@@ -336,11 +336,13 @@ def run_cycle(now: dt.datetime | None = None, policy: str | None = None) -> Cycl
             return outcome
         result = engine_cycle.run_cycle(snapshot, policy=policy or settings.ATRIUM_PLACEMENT_POLICY)
         outcome.duration_s = result.stats.duration_s
-        # Lock every row the decisions touch at once, in id order, before the first audit
-        # event takes the audit chain's lock: taking them one by one afterwards could deadlock
-        # with a cancel (row lock, then chain lock) running at the same time.
+        # Locks in the one order every audited writer uses: the audit chain's lock first (the
+        # decisions write audit events, and _apply_waits updates rows after them), then every
+        # job row the decisions touch at once, in id order. A cancel, a backend's state change
+        # or a health requeue takes them in the same order, so none can wait on another in a circle.
+        audit.lock_chain()
         ids = sorted({int(p.victim_id) for p in result.preempted} | {int(a.job_id) for a in result.admitted})
-        locked = {j.pk: j for j in Job.objects.select_for_update(of=("self",)).filter(pk__in=ids)
+        locked = {j.pk: j for j in Job.objects.select_for_update(of=("self",), no_key=True).filter(pk__in=ids)
                   .select_related("project__tenant").order_by("pk")}
         index["locked"] = locked
         _apply_preemptions(result.preempted, index, now, outcome)

@@ -302,7 +302,7 @@ def cancel_job(actor, job: Job, *, reason: str = "") -> Job:
     now = timezone.now()
     with transaction.atomic():
         audit.lock_chain()  # before the job's row lock: the cycle takes them in this order
-        job = Job.objects.select_for_update().get(pk=job.pk)
+        job = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
         if job.is_final:
             raise ValidationError({"state": f"job {job.pk} is already {job.state}"})
         before = job.state
@@ -354,7 +354,8 @@ def record_health_event(actor, card: Accelerator, *, kind: str, code: int | None
     new_health = health_policy(kind, code)
     severity = [Health.HEALTHY, Health.DEGRADED, Health.QUARANTINED, Health.FAILED]
     with transaction.atomic():
-        card = Accelerator.objects.select_for_update().select_related("node").get(pk=card.pk)
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
+        card = Accelerator.objects.select_for_update(of=("self",), no_key=True).select_related("node").get(pk=card.pk)
         before = card.health
         # an event never makes a card healthier: only ops release a card (set_card_health)
         resulting = max(before, new_health, key=severity.index)
@@ -384,7 +385,7 @@ def _requeue_jobs_on_card(card: Accelerator, now, *, reason: str,
     """
     from scheduling.queries import jobs_on_cards
 
-    jobs = list(jobs_on_cards([card.pk]).select_for_update(of=("self",)).select_related("project__tenant"))
+    jobs = list(jobs_on_cards([card.pk]).select_for_update(of=("self",), no_key=True).select_related("project__tenant"))
     for job in jobs:
         _requeue_job(job, now, reason=reason, end_reason=end_reason)
     if jobs:
@@ -439,7 +440,8 @@ def set_card_health(actor, card: Accelerator, health: str, *, reason: str) -> Ac
     now = timezone.now()
     action = "card.release" if health == Health.HEALTHY else "card.quarantine"
     with transaction.atomic():
-        card = Accelerator.objects.select_for_update().get(pk=card.pk)
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
+        card = Accelerator.objects.select_for_update(no_key=True).get(pk=card.pk)
         before = card.health
         card.health, card.health_reason, card.health_since = health, reason, now
         card.save(update_fields=["health", "health_reason", "health_since"])
@@ -460,7 +462,8 @@ def set_node_state(actor, node: Node, state: str, *, reason: str) -> Node:
         raise ValidationError({"state": f"unknown node state {state!r}"})
     now = timezone.now()
     with transaction.atomic():
-        node = Node.objects.select_for_update().get(pk=node.pk)
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
+        node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
         before = node.state
         node.state, node.state_reason, node.state_since = state, reason, now
         node.save(update_fields=["state", "state_reason", "state_since"])
@@ -566,11 +569,12 @@ def handle_interference(offender, *, now: dt.datetime | None = None, policy: str
         raise ValidationError({"policy": f"unknown interference policy {policy!r}: choose warn or requeue"})
     key = f"interference:card:{offender.card_id}:job:{offender.job_id}:{now.astimezone(dt.UTC):%Y-%m-%dT%H}"
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         # one handler per card at a time, so two ticks racing raise and audit it once
-        card = Accelerator.objects.select_for_update().select_related("node").get(pk=offender.card_id)
+        card = Accelerator.objects.select_for_update(of=("self",), no_key=True).select_related("node").get(pk=offender.card_id)
         if Alarm.objects.filter(dedupe_key=f"{key}:ops").exists():
             return None
-        job = (Job.objects.select_for_update(of=("self",)).select_related("project__tenant")
+        job = (Job.objects.select_for_update(of=("self",), no_key=True).select_related("project__tenant")
                .filter(pk=offender.job_id).first())
         if job is None or job.state not in ACTIVE_STATES or not Binding.objects.filter(
                 pk=offender.binding_id, end__isnull=True).exists():

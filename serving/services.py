@@ -133,6 +133,7 @@ def publish_service(actor, service: ModelService) -> ModelService:
     """Draft -> published: submits the long-lived scheduling job (kind service) and opens the gateway."""
     _require_project(actor, PUBLISH_PERM, service.project, "service.publish", "publish model services")
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         service = ModelService.objects.select_for_update().get(pk=service.pk)
         if service.status != ServiceStatus.DRAFT:
             raise ValidationError({"status": f"only a draft can be published; this service is {service.status}"})
@@ -156,6 +157,7 @@ def publish_service(actor, service: ModelService) -> ModelService:
 def retire_service(actor, service: ModelService, *, reason: str = "") -> ModelService:
     _require_project(actor, PUBLISH_PERM, service.project, "service.retire", "retire model services")
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         service = ModelService.objects.select_for_update().get(pk=service.pk)
         if service.status == ServiceStatus.RETIRED:
             raise ValidationError({"status": "this service is already retired"})
@@ -376,6 +378,7 @@ def rotate_api_key(actor, key: ApiKey, *, grace: dt.timedelta = dt.timedelta(hou
         raise ValidationError({"grace": "the grace period is between 0 and 30 days"})
     now = timezone.now()
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         key = ApiKey.objects.select_for_update().get(pk=key.pk)
         if not key.is_usable(now) or key.replaced_by_id:
             raise ValidationError({"key": "only an active key that was not rotated yet can be rotated"})
@@ -394,6 +397,7 @@ def rotate_api_key(actor, key: ApiKey, *, grace: dt.timedelta = dt.timedelta(hou
 def revoke_api_key(actor, key: ApiKey, *, reason: str = "") -> ApiKey:
     _require_project_keys_even_archived(actor, key)
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         key = ApiKey.objects.select_for_update().get(pk=key.pk)
         if key.revoked:
             raise ValidationError({"key": "this key is already revoked"})
@@ -415,6 +419,7 @@ def set_serving_limits(actor, project: Project, *, requests_per_minute: int | No
     if not access.can(actor, KB_ADMIN_PERM, project.tenant):
         deny(actor, "serving.limits", "only the tenant's admins set gateway limits", target=project, project=project)
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         limits, _ = ServingLimits.objects.select_for_update().get_or_create(project=project,
                                                                             defaults={"tenant": project.tenant})
         before = {"rpm": limits.requests_per_minute, "tpm": limits.tokens_per_minute,

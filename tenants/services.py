@@ -424,6 +424,7 @@ def approve_vendor_grant(actor, grant: VendorGrant) -> VendorGrant:
         raise ValidationError({"grant": "this grant has already expired"})
     require_sudo(actor, "vendor.grant.approve", target=grant, target_label=label)
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         grant = VendorGrant.objects.select_for_update().get(pk=grant.pk)
         if grant.approved_by_id is not None or grant.revoked is not None:
             raise ValidationError({"grant": "this grant changed meanwhile; reload"})
@@ -445,6 +446,7 @@ def revoke_vendor_grant(actor, grant: VendorGrant, *, reason: str = "") -> Vendo
     if grant.revoked is not None:
         raise ValidationError({"grant": "this grant is already revoked"})
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         grant = VendorGrant.objects.select_for_update().get(pk=grant.pk)
         grant.revoked = timezone.now()
         grant.save(update_fields=["revoked"])

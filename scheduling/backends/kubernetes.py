@@ -272,9 +272,10 @@ def upsert_node(d: DiscoveredNode, uuids: dict[int, str], now: dt.datetime) -> d
     """Create or update one node and its cards to match the cluster; returns what changed."""
     changes: dict[str, list] = defaultdict(list)
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         pool = upsert_pool(d.pool, shared=d.shared_replicas > 0, mig=d.mig)
         model = resolve_model(d)
-        node = Node.objects.select_for_update().filter(name=d.name).first()
+        node = Node.objects.select_for_update(no_key=True).filter(name=d.name).first()
         fields = {"pool": pool, "cpu_milli": d.cpu_milli, "memory_mib": d.memory_mib, "labels": d.labels}
         if node is None:
             node = Node(name=d.name, state=d.state, state_reason=d.state_reason, state_since=now, **fields)
@@ -302,7 +303,7 @@ def upsert_node(d: DiscoveredNode, uuids: dict[int, str], now: dt.datetime) -> d
 
 def _sync_cards(node: Node, d: DiscoveredNode, model: AcceleratorModel, uuids: dict[int, str], now) -> dict:
     changes: dict[str, list] = defaultdict(list)
-    cards = {c.index: c for c in Accelerator.objects.select_for_update().filter(node=node)}
+    cards = {c.index: c for c in Accelerator.objects.select_for_update(no_key=True).filter(node=node)}
     for index in range(d.cards):
         uuid = uuids.get(index)
         card = cards.get(index)
@@ -336,6 +337,7 @@ def _sync_cards(node: Node, d: DiscoveredNode, model: AcceleratorModel, uuids: d
 def retire_card(card: Accelerator, now, *, reason: str, end_reason: str = BindingEnd.CARD_FAILED) -> None:
     """Take a card out of the inventory; its binding and health history stay."""
     with transaction.atomic():
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
         services._requeue_jobs_on_card(card, now, reason=f"card {card} removed: {reason}", end_reason=end_reason)
         card.retired = now
         card.save(update_fields=["retired"])
@@ -344,7 +346,8 @@ def retire_card(card: Accelerator, now, *, reason: str, end_reason: str = Bindin
 
 def retire_node(node: Node, now, *, reason: str) -> list[str]:
     with transaction.atomic():
-        node = Node.objects.select_for_update().get(pk=node.pk)
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
+        node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
         retired = []
         for card in node.accelerators.filter(retired__isnull=True).select_related("node"):
             retire_card(card, now, reason=reason, end_reason=BindingEnd.NODE_DOWN)
@@ -370,7 +373,8 @@ def _apply_node_state(node: Node, state: str, reason: str, now, changes: dict) -
         Node.objects.filter(pk=node.pk).update(state_reason=reason[:200])
         return
     with transaction.atomic():
-        node = Node.objects.select_for_update().get(pk=node.pk)
+        audit.lock_chain()  # before any row lock: the order every audited writer uses
+        node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
         before = node.state
         node.state, node.state_reason, node.state_since = state, reason[:200], now
         node.save(update_fields=["state", "state_reason", "state_since"])
@@ -548,7 +552,8 @@ def quota_hard(project) -> dict:
 
 def _locked(job_id: int, state: str, admission: str) -> Job | None:
     """The job under a row lock if it is still in the state (and admission) we acted on."""
-    job = Job.objects.select_for_update().select_related("project__tenant").filter(pk=job_id).first()
+    job = (Job.objects.select_for_update(of=("self",), no_key=True).select_related("project__tenant")
+           .filter(pk=job_id).first())
     if job is None or job.state != state or admission_tag(job) != admission:
         return None
     return job
@@ -568,6 +573,7 @@ def mark_running(job_id: int, admission: str, started: dt.datetime, message: str
 def finish_job(job_id: int, state_was: str, admission: str, *, state: str, at: dt.datetime, message: str,
                timed_out: bool = False) -> bool:
     with transaction.atomic():
+        audit.lock_chain()  # before the job's row lock: the order every audited writer uses
         job = _locked(job_id, state_was, admission)
         if job is None:
             return False
@@ -591,6 +597,7 @@ def requeue_job(job_id: int, state_was: str, admission: str, *, reason: str, end
                 event_kind: str = "pod-lost") -> bool:
     now = timezone.now()
     with transaction.atomic():
+        audit.lock_chain()  # before the job's row lock: the order every audited writer uses
         job = _locked(job_id, state_was, admission)
         if job is None:
             return False

@@ -72,10 +72,32 @@ class SimulatedCluster:
     def tick(self, now: dt.datetime | None = None) -> dict:
         now = now or timezone.now()
         started, finished, errors = [], [], []
+        # what is there to do, read without locks: the admitted jobs and the running jobs whose
+        # time is up. Most ticks find nothing and take no lock at all.
+        admitted = list(Job.objects.filter(state=JobState.ADMITTED).values_list("pk", flat=True))
+        due = [pk for pk, began, expected, limit in Job.objects.filter(state=JobState.RUNNING)
+               .values_list("pk", "started", "expected_minutes", "time_limit_minutes")
+               if began is not None and began + dt.timedelta(minutes=min(expected, limit)) <= now]
+        if admitted or due:
+            self._apply_tick(admitted, due, now, started, finished, errors)
+        if finished:
+            services.enqueue_cycle_after_commit()
+        # after the state changes are committed: a failing check must not undo finished jobs
+        with context.bound(actor_label="service:simulated-cluster"):
+            self.sample_utilisation(now)
+            interference = services.check_interference(now)
+        return {"started": started, "finished": finished, "interference": [h["job"] for h in interference],
+                "errors": errors}
+
+    def _apply_tick(self, admitted: list[int], due: list[int], now, started: list, finished: list,
+                    errors: list) -> None:
+        locked = Job.objects.select_for_update(of=("self",), no_key=True).order_by("pk")
         with context.bound(actor_label="service:simulated-cluster"), transaction.atomic():
-            # rows locked in id order and only the job rows, as the cycle does, so a tick and a
-            # cycle (or a cancel) never wait on each other in a circle
-            for job in Job.objects.select_for_update(of=("self",)).filter(state=JobState.ADMITTED).order_by("pk"):
+            # the audit chain's lock first (a timeout is audited), then only these job rows in id
+            # order, as the cycle does, so a tick and a cycle (or a cancel) never wait in a circle;
+            # the state filters re-check what changed since the unlocked read
+            audit.lock_chain()
+            for job in locked.filter(pk__in=admitted, state=JobState.ADMITTED):
                 try:
                     self._call("start", job)
                 except ClusterError as exc:
@@ -87,9 +109,7 @@ class SimulatedCluster:
                 JobEvent.objects.create(job=job, time=job.started, kind="running",
                                         message="Containers started on the simulated cluster.")
                 started.append(job.pk)
-            running = (Job.objects.select_for_update(of=("self",)).filter(state=JobState.RUNNING)
-                       .select_related("project__tenant").order_by("pk"))
-            for job in running:
+            for job in locked.filter(pk__in=due, state=JobState.RUNNING).select_related("project__tenant"):
                 run_for = min(job.expected_minutes, job.time_limit_minutes)
                 end = job.started + dt.timedelta(minutes=run_for)
                 if end > now:
@@ -114,14 +134,6 @@ class SimulatedCluster:
                     audit.record("job.timeout", target=job, project=job.project,
                                  reason=f"time limit of {job.time_limit_minutes} minutes reached")
                 finished.append(job.pk)
-        if finished:
-            services.enqueue_cycle_after_commit()
-        # after the state changes are committed: a failing check must not undo finished jobs
-        with context.bound(actor_label="service:simulated-cluster"):
-            self.sample_utilisation(now)
-            interference = services.check_interference(now)
-        return {"started": started, "finished": finished, "interference": [h["job"] for h in interference],
-                "errors": errors}
 
     def sample_utilisation(self, now: dt.datetime) -> int:
         """Report one sample per running share of a shared card, as a DCGM scrape would.
