@@ -427,8 +427,33 @@ def _apply_waits(waits, index, now) -> None:
                 events.append(JobEvent(job=job, time=now, kind=f"waiting:{reason.value}", message=w.message))
             job.wait_reason, job.wait_message, job.queue_position = reason, w.message[:400], w.position
             changed.append(job)
-    # only still-queued rows: a job cancelled meanwhile keeps its final state
-    still = set(Job.objects.filter(pk__in=[j.pk for j in changed], state__in=QUEUED_STATES)
-                .values_list("pk", flat=True))
-    Job.objects.bulk_update([j for j in changed if j.pk in still], ["wait_reason", "wait_message", "queue_position"])
+    _write_waits(sorted(changed, key=lambda j: j.pk))
     JobEvent.objects.bulk_create(events)
+
+
+# One statement with five array parameters: its text never changes, whatever the number of rows.
+_WAITS_SQL = """
+UPDATE scheduling_job AS j
+   SET wait_reason = v.reason, wait_message = v.message, queue_position = v.position
+  FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::integer[]) AS v(id, reason, message, position)
+ WHERE j.id = v.id AND j.state = ANY(%s::text[])
+"""
+
+
+def _write_waits(jobs: list[Job]) -> None:
+    """Store the wait reason, message and queue position of `jobs` (in id order), only on rows
+    still queued: a job cancelled meanwhile keeps its final state.
+
+    Every cycle re-ranks the whole queue, so hundreds of positions move at once. On PostgreSQL
+    one UPDATE ... FROM unnest() writes them; Django's bulk_update builds a CASE per field and
+    row, which cost the cycle more than its decisions (about half a second for 500 jobs)."""
+    if not jobs:
+        return
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cur:
+            cur.execute(_WAITS_SQL, [[j.pk for j in jobs], [str(j.wait_reason) for j in jobs],
+                                     [j.wait_message for j in jobs], [j.queue_position for j in jobs],
+                                     [str(s) for s in QUEUED_STATES]])
+        return
+    still = set(Job.objects.filter(pk__in=[j.pk for j in jobs], state__in=QUEUED_STATES).values_list("pk", flat=True))
+    Job.objects.bulk_update([j for j in jobs if j.pk in still], ["wait_reason", "wait_message", "queue_position"])

@@ -25,6 +25,7 @@ from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from portal import audit
+from portal.prepared import Statement, from_row, select_columns
 from portal.services import deny
 from scheduling import services as scheduling
 from serving import ingest
@@ -43,7 +44,6 @@ from serving.models import (
     TokenUsage,
     Visibility,
 )
-from serving.prepared import Statement, from_row, select_columns
 from tenants import access
 from tenants.models import Project, Tenant, TenantState
 

@@ -1,6 +1,7 @@
-"""Hand-written SQL for the gateway's hot path, prepared once per PostgreSQL connection.
+"""Hand-written SQL for hot paths, prepared once per PostgreSQL connection.
 
-Every gateway call runs the same two statements (the key check and the metering write). The
+Every gateway call runs the same two statements (the key check and the metering write), and
+every page the same permission statement (tenants.access.prime). The
 ORM compiles each query anew (more CPU than the query costs to run), and PostgreSQL plans
 each anew (the key check's permission joins took ~3 ms to plan and 0.2 ms to run). A
 `Statement` is written once with named parameters and runs on a psycopg cursor with
@@ -63,12 +64,22 @@ class Statement:
         self._sql: str | None = None
 
     def fetchone(self, values: dict):
-        if self._sql is None:
-            self._sql = self.build()
         with _cursor() as cur:
             # nosemgrep: atrium-raw-sql-string-formatting -- identifiers from model metadata, values are parameters
-            cur.execute(self._sql, values)
+            cur.execute(self.sql, values)
             return cur.fetchone()
+
+    def fetchall(self, values: dict) -> list:
+        with _cursor() as cur:
+            # nosemgrep: atrium-raw-sql-string-formatting -- identifiers from model metadata, values are parameters
+            cur.execute(self.sql, values)
+            return cur.fetchall()
+
+    @property
+    def sql(self) -> str:
+        if self._sql is None:
+            self._sql = self.build()
+        return self._sql
 
 
 def select_columns(model, alias: str) -> str:
