@@ -260,6 +260,9 @@ if ATRIUM_CLUSTER_BACKEND not in {"simulated", "kubernetes"}:
         f"ATRIUM_CLUSTER_BACKEND={ATRIUM_CLUSTER_BACKEND!r}: choose 'simulated' or 'kubernetes'."
     )
 ATRIUM_SCHEDULER_PERIOD = env.int("ATRIUM_SCHEDULER_PERIOD", default=10)
+# Cycles start at least this many seconds after the previous one ended (Slurm's
+# sched_min_interval): submissions arriving meanwhile are decided together in the next one.
+ATRIUM_CYCLE_MIN_INTERVAL = env.float("ATRIUM_CYCLE_MIN_INTERVAL", default=1.0)
 # Node-failure recovery: requeued jobs restart only in their own pool, and not on a node that
 # was down within the hold time.
 ATRIUM_RECOVERY_SAME_POOL = env.bool("ATRIUM_RECOVERY_SAME_POOL", default=True)

@@ -7,12 +7,16 @@ Redis returns. A cycle enqueued while another waits in the queue is not enqueued
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 import django_rq
+from django.conf import settings
 from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
+LAST_CYCLE_KEY = "atrium:scheduling-cycle:last-end"  # when the last cycle ended (epoch seconds)
 
 CYCLE_JOB_ID = "atrium-scheduling-cycle"
 
@@ -33,7 +37,30 @@ def enqueue_cycle() -> bool:
 def run_scheduling_cycle() -> dict:
     from scheduling.cycle import run_cycle
 
-    return run_cycle().as_dict()
+    pace_cycle()
+    try:
+        return run_cycle().as_dict()
+    finally:
+        with contextlib.suppress(RedisError):  # no pacing until Redis is back; the cycle itself is done
+            django_rq.get_connection("scheduling").set(LAST_CYCLE_KEY, repr(time.time()), ex=3600)
+
+
+def pace_cycle() -> float:
+    """Wait until ATRIUM_CYCLE_MIN_INTERVAL seconds have passed since the last cycle ended;
+    returns the seconds waited. While this job waits it counts as started, so submissions in
+    the meantime do not enqueue another cycle: they are read by this one."""
+    interval = float(getattr(settings, "ATRIUM_CYCLE_MIN_INTERVAL", 0) or 0)
+    if interval <= 0:
+        return 0.0
+    try:
+        last = django_rq.get_connection("scheduling").get(LAST_CYCLE_KEY)
+        wait = float(last) + interval - time.time() if last else 0.0
+    except (RedisError, ValueError):
+        return 0.0
+    wait = min(wait, interval)  # a clock step back never stalls the scheduler
+    if wait > 0:
+        time.sleep(wait)
+    return max(wait, 0.0)
 
 
 def tick_cluster() -> dict:
