@@ -14,6 +14,12 @@ the command line or in GUNICORN_CMD_ARGS (`--threads 32`) override what is set h
 """
 
 worker_class = "gthread"
-threads = 16
+# 32: a process accepts kept-alive connections as they come, so one of two processes may hold
+# 20 of 32 clients; with 16 threads the extra ones waited a whole model answer (bench/gateway.py,
+# 32 clients x 500 ms upstream: +508 ms p50 with 16 threads, +5 ms with 32). Each busy thread
+# holds its own PostgreSQL connection: processes x threads must stay under max_connections
+# (or put PgBouncer in front), see docs/deployment.md.
+threads = 32
 # Idle keep-alive connections from the proxy in front stay open between requests.
 keepalive = 30
+
