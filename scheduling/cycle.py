@@ -329,6 +329,7 @@ def run_cycle(now: dt.datetime | None = None, policy: str | None = None) -> Cycl
     """Run one scheduling cycle and write its decisions in one transaction."""
     outcome = CycleOutcome()
     with context.bound(actor_label="service:scheduler"), transaction.atomic(), cycle_lock():
+        live = now is None
         now = now or timezone.now()
         snapshot, index = build_snapshot(now)
         if not snapshot.pending:
@@ -336,6 +337,11 @@ def run_cycle(now: dt.datetime | None = None, policy: str | None = None) -> Cycl
             return outcome
         result = engine_cycle.run_cycle(snapshot, policy=policy or settings.ATRIUM_PLACEMENT_POLICY)
         outcome.duration_s = result.stats.duration_s
+        if live:
+            # decisions are stamped when they are written: the queue was read after `now` was
+            # taken, so a job submitted in between would otherwise be admitted (its binding
+            # started, its card time accrued) before its own submission
+            now = max(now, timezone.now())
         # Locks in the one order every audited writer uses: the audit chain's lock first (the
         # decisions write audit events, and _apply_waits updates rows after them), then every
         # job row the decisions touch at once, in id order. A cancel, a backend's state change

@@ -53,12 +53,20 @@ def sign_in(page, live_server, username: str) -> None:
     page.wait_for_url(f"{live_server.url}/")
 
 
+def htmx_settled(page) -> None:
+    """Wait until no htmx request is in flight and no swap is settling (htmx marks the element
+    that issued a request with htmx-request, synchronously in the change handler)."""
+    page.wait_for_function(
+        "() => !document.querySelector('.htmx-request, .htmx-swapping, .htmx-settling, .htmx-added')")
+
+
 def submit(page, live_server, *, spec: str, priority: str, name: str, replicas: int = 1) -> int:
     from playwright.sync_api import expect
 
     page.goto(f"{live_server.url}/scheduling/jobs/new/")
     project = page.locator("#id_project").first
     project.select_option(project.locator("option", has_text="detector").first.get_attribute("value"))
+    htmx_settled(page)  # the project's re-render must land before the next choice, or it replaces it
     # choosing the project re-renders the dependent fields through htmx; without that (or
     # JavaScript) a first submit re-renders the form for the chosen project
     options = page.get_by_label("Priority class").locator("option", has_text=priority)
@@ -71,10 +79,12 @@ def submit(page, live_server, *, spec: str, priority: str, name: str, replicas: 
     # as a person would see the page update
     with page.expect_response(lambda r: r.url.endswith("/scheduling/jobs/new/") and r.request.method == "POST"):
         page.get_by_label("Resource spec").select_option(label=spec)
+    htmx_settled(page)
     if replicas != 1:
         with page.expect_response(lambda r: r.url.endswith("/scheduling/jobs/new/") and r.request.method == "POST"):
             page.get_by_label("Replicas").fill(str(replicas))
             page.get_by_label("Replicas").blur()
+        htmx_settled(page)
     page.get_by_label("Priority class").select_option(label=priority)
     page.get_by_label("Name").fill(name)
     page.get_by_label("Command").fill("python train.py --epochs 1")
