@@ -542,6 +542,11 @@ def main() -> None:
         subprocess.run([*manage, "seed_demo"], env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         subprocess.run([*manage, "seed_load", "--tenants", str(args.tenants)], env=env, cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
+        # planner statistics, as autovacuum would gather them soon after a load (it may be off)
+        import psycopg
+
+        with psycopg.connect(args.database_url, autocommit=True) as conn:
+            conn.execute("ANALYZE")
         print(f"migrated and seeded in {time.monotonic() - t0:.0f}s")
     setup_django(env)
     import redis

@@ -21,12 +21,13 @@ from decimal import Decimal
 
 from django.apps import apps
 from django.db import connection
-from django.db.models import Case, Count, F, FilteredRelation, FloatField, Func, IntegerField, Prefetch, Q, Sum, Value, When
+from django.db.models import Case, Count, F, FloatField, Func, IntegerField, Prefetch, Q, Sum, Value, When
 from django.db.models.functions import Coalesce, Greatest, Least, TruncDay
 from django.http import Http404
 from django.urls import reverse
 from django.utils import timezone
 
+from portal.prepared import Statement
 from tenants import access
 
 PANELS = ("alarms", "quota", "queue", "usage")
@@ -239,21 +240,34 @@ def _allocated(flt: Q, group: str | None, now: dt.datetime) -> dict:
     return out
 
 
+def _healthy_free_sql() -> str:
+    from scheduling.models import Accelerator, Binding, Node
+
+    card, node, binding = Accelerator._meta.db_table, Node._meta.db_table, Binding._meta.db_table
+    return (
+        f"SELECT a.model_id, COUNT(*), COALESCE(SUM(u.milli), 0) FROM {card} a "  # noqa: S608 # nosec B608 # table names from model metadata, values are parameters
+        f"JOIN {node} n ON n.id = a.node_id "
+        f'LEFT JOIN (SELECT accelerator_id, SUM(share_milli) AS milli FROM {binding} WHERE "end" IS NULL '
+        "GROUP BY accelerator_id) u ON u.accelerator_id = a.id "
+        "WHERE a.retired IS NULL AND a.health = %(healthy)s AND n.retired IS NULL AND n.state = %(ready)s "
+        "GROUP BY a.model_id"
+    )
+
+
+_HEALTHY_FREE = Statement(_healthy_free_sql)
+
+
 def _healthy_free() -> dict[int, tuple[float, float]]:
     """(healthy cards, of which free) per accelerator model, over the whole shared fleet.
 
     An aggregate of the shared hardware (no tenant, job or card named), so every viewer's
-    "available" is bounded by capacity that can actually run work."""
-    from scheduling.models import Accelerator, Health, NodeState
+    "available" is bounded by capacity that can actually run work. Hand-written and prepared
+    (portal.prepared): every quota panel runs it, and the ORM's version (distinct cards over a
+    join of every card with its open bindings) sorted the whole fleet, ~6 ms for 5,000 cards."""
+    from scheduling.models import Health, NodeState
 
-    rows = (Accelerator.objects.filter(retired__isnull=True, health=Health.HEALTHY, node__retired__isnull=True,
-                                       node__state=NodeState.READY)
-            # join only the open bindings (index on card, end), not every card's history
-            .annotate(open_binding=FilteredRelation("bindings", condition=Q(bindings__end__isnull=True)))
-            .values("model_id")
-            .annotate(cards=Count("id", distinct=True), used=Sum("open_binding__share_milli"))
-            .order_by())
-    return {r["model_id"]: (float(r["cards"]), max(float(r["cards"]) - (r["used"] or 0) / 1000, 0.0)) for r in rows}
+    rows = _HEALTHY_FREE.fetchall({"healthy": Health.HEALTHY.value, "ready": NodeState.READY.value})
+    return {model_id: (float(n), max(float(n) - float(used or 0) / 1000, 0.0)) for model_id, n, used in rows}
 
 
 def _bar(guaranteed: float, limit: float, allocated: float, available: float) -> dict:
