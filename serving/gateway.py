@@ -6,8 +6,9 @@ key, its project, tenant, limits, creator's membership, the named service inside
 tenant with the key's scope on it, and the month's tokens in one prepared statement) ->
 another tenant's object answers 404, a known one outside the key's scope 403 -> monthly
 budget -> Redis rate limits (429 + Retry-After) -> proxy with connect/read timeouts and
-bounded retries (one urllib3 pool per process, kept-alive connections) -> meter the
-upstream's `usage` exactly once (one prepared statement). Errors are JSON in OpenAI's shape;
+bounded retries (one urllib3 pool per process, kept-alive connections) -> the answer -> meter
+the upstream's `usage` exactly once (one prepared statement) when the server has written the
+answer (MeteredResponse; a stream when it ends). Errors are JSON in OpenAI's shape;
 upstream failures become 502/504 without their internals, and are never billed. This view
 never trusts a tenant, project or id from the client and never logs a key. It reads no
 session: portal.middleware.GatewayShortPathMiddleware sends it requests past the session,
@@ -352,11 +353,36 @@ def _proxy(request, caller: svc.Caller, service: ModelService, body: dict, endpo
     if not isinstance(payload, dict):
         raise GatewayError(502, "The model server sent an invalid answer; the request was not billed.",
                            type_="server_error", code="upstream_invalid")
-    _meter(request, key, service, endpoint, uid, payload.get("usage"), checks, application)
+    usage = payload.get("usage")
     payload["model"] = service.slug
     if extra:
         payload["atrium"] = extra
-    return JsonResponse(payload)
+    return MeteredResponse(payload, uid=uid,
+                           meter=lambda: _meter(request, key, service, endpoint, uid, usage, checks, application))
+
+
+class MeteredResponse(JsonResponse):
+    """An answer that meters its request when the WSGI server closes it.
+
+    The server calls close() after the last byte is written (PEP 3333; gunicorn, uWSGI and
+    wsgiref all do, also when writing failed), so the metering write - a PostgreSQL statement
+    and a Redis pipeline - is no longer between the model server's answer and the client. It
+    still runs exactly once per answered request, on the request's thread and database
+    connection, before Django's request_finished clean-up. A failure to meter is logged with
+    the request's id (Django's close() would swallow it)."""
+
+    def __init__(self, data, *, uid, meter):
+        super().__init__(data)
+        self.uid, self._meter = uid, meter
+
+    def close(self):
+        meter, self._meter = self._meter, None
+        if meter is not None:
+            try:
+                meter()
+            except Exception:
+                log.exception("gateway request %s was answered but could not be metered", self.uid)
+        super().close()
 
 
 def _proxy_stream(request, key, service, body, endpoint, path, uid, checks, application):

@@ -33,6 +33,16 @@ def metered_totals():
     return agg["i"] or 0, agg["o"] or 0, agg["r"] or 0
 
 
+def metered_totals_once_written(requests_answered: int, timeout: float = 10.0):
+    """metered_totals() over real HTTP: the server meters a request when it closes the answer,
+    just after the client has it, so wait (bounded) until every answered request is counted,
+    then read the totals; a request metered twice or never still shows in them."""
+    deadline = time.monotonic() + timeout
+    while GatewayRequest.objects.count() < requests_answered and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return metered_totals()
+
+
 # --- authorisation --------------------------------------------------------------------------
 
 
@@ -189,7 +199,7 @@ def test_200_concurrent_requests_over_20_keys_metered_exactly_once(world, live_s
     with ThreadPoolExecutor(max_workers=32) as pool:
         statuses = list(pool.map(one, range(200)))
     assert statuses.count(200) == 200, set(statuses)
-    inp, out, reqs = metered_totals()
+    inp, out, reqs = metered_totals_once_written(200)
     assert reqs == 200 == GatewayRequest.objects.count()
     assert (inp, out) == (w.up.stats.prompt_tokens, w.up.stats.completion_tokens)
     assert TokenUsage.objects.count() == 20
@@ -318,7 +328,7 @@ def test_stream_arrives_chunk_by_chunk_and_is_metered_once(world, live_server):
     assert not any("usage" in c for c in chunks)  # not asked for: kept for metering only
     # chunk by chunk: the first event came well before the last (7 chunks, 150 ms apart)
     assert arrivals[-1] - arrivals[0] > 0.6
-    inp, out, reqs = metered_totals()
+    inp, out, reqs = metered_totals_once_written(1)
     assert reqs == 1 and (inp, out) == (w.up.stats.prompt_tokens, w.up.stats.completion_tokens) and out == 7
 
 

@@ -1,19 +1,25 @@
 """The gateway's short path and its hand-written statements: what a request costs (two
 statements, no session middleware), what still applies on the short path (Host check,
-security headers), metering through one statement that counts a repeated uid once, and a
-gateway that recovers by itself from a database connection the server dropped."""
+security headers), metering through one statement that counts a repeated uid once, once the
+answer is written (a failure to meter then is logged, not swallowed), and a gateway that
+recovers by itself from a database connection the server dropped."""
 
 from __future__ import annotations
 
+import io
 import json
 import uuid
+from contextlib import contextmanager
 
 import psycopg
 import pytest
-from django.db import connection
+from django.core.signals import request_finished, request_started
+from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections, connection
 from django.test.utils import CaptureQueriesContext
 
 from serving import services as svc
+from serving.gateway import MeteredResponse
 from serving.models import GatewayRequest, TokenUsage
 from serving.tests.conftest import bearer, chat_body
 
@@ -103,3 +109,54 @@ def test_statements_are_prepared_again_on_a_new_connection(world):
         statements = [r[0] for r in cur.fetchall()]
     assert sum("serving_apikey k" in st for st in statements) == 1
     assert sum(st.startswith("WITH req AS") for st in statements) == 1
+
+
+@contextmanager
+def wsgi_server_signals_quiet():
+    """As Django's test client does: no connection clean-up per request, which would close the
+    test's own transaction."""
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        yield
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
+
+
+def test_an_answer_is_metered_when_the_server_closes_it_and_only_once(world):
+    """The WSGI contract as a server drives it: call the application, write the body, then
+    close() it. The answer is complete before anything is metered; close() meters it once."""
+    w = world
+    body = json.dumps(chat_body("metered after the answer")).encode()
+    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/v1/chat/completions", "SCRIPT_NAME": "", "QUERY_STRING": "",
+               "SERVER_NAME": "testserver", "SERVER_PORT": "80", "HTTP_HOST": "testserver",
+               "SERVER_PROTOCOL": "HTTP/1.1", "wsgi.url_scheme": "http", "wsgi.input": io.BytesIO(body),
+               "wsgi.errors": io.StringIO(), "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json",
+               "HTTP_AUTHORIZATION": f"Bearer {w.secret['alpha']}", "REMOTE_ADDR": "127.0.0.1"}
+    statuses = []
+    with wsgi_server_signals_quiet():
+        result = get_wsgi_application()(environ, lambda status, headers, exc_info=None: statuses.append(status))
+        answer = json.loads(b"".join(result))
+        assert statuses == ["200 OK"] and answer["usage"]["completion_tokens"] > 0
+        assert GatewayRequest.objects.count() == 0  # written, not yet closed: nothing metered
+        result.close()
+        result.close()  # a second close() changes nothing
+    row = GatewayRequest.objects.get()
+    assert (row.input_tokens, row.output_tokens) == (answer["usage"]["prompt_tokens"],
+                                                     answer["usage"]["completion_tokens"])
+    assert TokenUsage.objects.get().requests == 1
+
+
+def test_a_metering_failure_after_the_answer_is_logged_with_the_request_id(caplog):
+    uid = uuid.uuid4()
+
+    def meter():
+        raise RuntimeError("metering store down")
+
+    resp = MeteredResponse({"ok": True}, uid=uid, meter=meter)
+    with caplog.at_level("ERROR", logger="atrium.gateway"):
+        resp.close()  # Django's close() would have swallowed it silently
+    assert resp.closed
+    assert [r.getMessage() for r in caplog.records] == [f"gateway request {uid} was answered but could not be metered"]
+    assert "metering store down" in caplog.text
