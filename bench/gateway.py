@@ -215,7 +215,7 @@ end
 
 
 def wrk_load(url: str, headers: dict, body: dict, *, concurrency: int, seconds: float, warmup: float,
-             meter: CpuMeter) -> dict:
+             meter: CpuMeter, drain: float) -> dict:
     raw = json.dumps(body)
     assert "]==]" not in raw
     lua = WRK_SCRIPT % {"body": raw, "headers": "\n".join(
@@ -224,8 +224,8 @@ def wrk_load(url: str, headers: dict, body: dict, *, concurrency: int, seconds: 
         f.write(lua)
         script = f.name
     try:
-        def run(duration: float) -> dict:
-            cmd = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(duration))}s", "--timeout", "30s", "-s", script,
+        def run(duration: float, clients: int = concurrency) -> dict:
+            cmd = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(duration))}s", "--timeout", "30s", "-s", script,
                    url]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 60)
             line = next((x for x in out.stdout.splitlines() if x.startswith("WRKJSON ")), None)
@@ -234,7 +234,15 @@ def wrk_load(url: str, headers: dict, body: dict, *, concurrency: int, seconds: 
             return json.loads(line[8:])
 
         if warmup > 0:
-            run(warmup)
+            # wrk opens new connections for the measured run, and gunicorn's processes may share
+            # them out differently than in the warm-up: a process then starts request threads
+            # (each with its own new database connection) inside the measured run. Warmed with
+            # twice the clients, every process already has the threads any split needs.
+            run(warmup, clients=concurrency * 2 if concurrency > 1 else 1)
+            # wrk stops by closing its connections with every client's request still in flight:
+            # the server finishes those (a whole upstream answer each) with its threads. Measured
+            # straight away, the new clients would queue behind them for a thread.
+            time.sleep(drain)
         meter.start()
         r = run(seconds)
         cpu = meter.stop(r["requests"])
@@ -248,7 +256,8 @@ def wrk_load(url: str, headers: dict, body: dict, *, concurrency: int, seconds: 
 
 
 def python_load(url: str, headers: dict, body: dict, *, concurrency: int, seconds: float, warmup: float,
-                meter: CpuMeter) -> dict:
+                meter: CpuMeter, drain: float) -> dict:
+    del drain  # the same clients, on the same connections, warm up and then measure: nothing abandoned
     latencies: list[float] = []
     errors = [0]
     lock = threading.Lock()
@@ -335,7 +344,7 @@ def main() -> None:
     procs = []
     scenarios = []
     gunicorn_cmd = [sys.executable, "-m", "gunicorn", "portal.wsgi:application", "-b", f"127.0.0.1:{gw_port}",
-                    "--log-level", "warning", "--access-logfile", "/dev/null", *args.gunicorn_args.split()]
+                    "--log-level", "warning", *args.gunicorn_args.split()]
     load_before = loadavg()
     try:
         procs.append(subprocess.Popen([sys.executable, "-m", "serving.upstream", "--port", str(up_port)], cwd=ROOT,
@@ -353,7 +362,8 @@ def main() -> None:
         for concurrency, latency in _scenarios(args.scenarios):
             text = "how long is a piece of string" + (f" [[sleep:{latency}]]" if latency else "")
             body = {"model": "bench-chat", "messages": [{"role": "user", "content": text}], "max_tokens": 16}
-            kw = {"concurrency": concurrency, "seconds": args.seconds, "warmup": args.warmup}
+            kw = {"concurrency": concurrency, "seconds": args.seconds, "warmup": args.warmup,
+                  "drain": latency / 1000 + 1.0}
             la = loadavg()[0]
             direct = load(upstream + "/chat/completions", {}, {**body, "model": "demo-llm"}, meter=upstream_cpu,
                           **kw)
