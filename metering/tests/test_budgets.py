@@ -1,8 +1,10 @@
-"""Budgets: one alarm per threshold crossing, block vs warn, and alarm idempotence."""
+"""Budgets: one alarm per threshold crossing, block vs warn (in metering and through a real
+scheduling cycle), and alarm idempotence."""
 
 from __future__ import annotations
 
 import pytest
+import time_machine
 from django.core.exceptions import PermissionDenied
 
 from metering import services
@@ -66,6 +68,34 @@ def test_block_budget_at_100_percent_blocks_its_scope_and_warn_budget_does_not(o
     assert Alarm.objects.filter(project=beta).count() == 2  # 80 % and 100 %, warn only
     # a month is a month: on the 1st of April nothing is blocked any more
     assert services.blocked_scopes(t(2025, 4, 1, 0, 1)) == (set(), set())
+
+
+@pytest.mark.django_db
+def test_a_real_cycle_holds_a_spent_block_budget_with_reason_budget_and_admits_a_spent_warn_budget(org, bind, prices):
+    """No stand-in: budgets set through the service, usage accrued from bindings, new jobs
+    submitted and one scheduling cycle run on the org fixture's fleet, in the budgets' month."""
+    from scheduling import cycle
+    from scheduling import services as sched
+    from scheduling.models import Job, JobState
+
+    alpha, beta = org.projects["alpha"], org.projects["beta"]
+    services.set_budget(org.admin, tenant=alpha.tenant, project=alpha, unit=BudgetUnit.MONEY, amount=16,
+                        mode=BudgetMode.BLOCK)
+    services.set_budget(org.admin, tenant=beta.tenant, project=beta, unit=BudgetUnit.MONEY, amount=16,
+                        mode=BudgetMode.WARN)
+    for slug in ("alpha", "beta"):
+        bind(slug, t(2025, 3, 3, 0), t(2025, 3, 3, 8))  # 8 h x 2.00 = 16.00 = 100 % of each budget
+    Job.objects.update(state=JobState.SUCCEEDED, finished=t(2025, 3, 3, 8))
+    services.accrue(until=NOW)
+    with time_machine.travel(NOW, tick=True):
+        jobs = {slug: sched.submit_job(org.people[slug]["user"], project=org.projects[slug], spec=org.specs["h1"],
+                                       priority_class=org.prio["batch"], name="after-budget", image="img:1",
+                                       command=["run"]) for slug in ("alpha", "beta")}
+        cycle.run_cycle()
+    held, admitted = (Job.objects.get(pk=jobs[slug].pk) for slug in ("alpha", "beta"))
+    assert held.state == JobState.PENDING and held.wait_reason == "budget", (held.state, held.wait_reason)
+    assert "budget" in held.wait_message
+    assert admitted.state == JobState.ADMITTED  # warn: the same spend, nothing held
 
 
 @pytest.mark.django_db
