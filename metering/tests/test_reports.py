@@ -31,6 +31,25 @@ FOCUS_MANDATORY = [
     "PricingUnit", "ProviderName", "PublisherName", "ServiceCategory", "ServiceName",
 ]
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+# FOCUS 1.2's data type of every column Atrium writes, written out from the specification (not
+# read from the exporter): Decimal, Date/Time (ISO 8601 in UTC), Currency Code (ISO 4217),
+# Key-Value Format (a JSON object) or String.
+FOCUS_SPEC_TYPES = {
+    **dict.fromkeys(["BilledCost", "ContractedCost", "ContractedUnitPrice", "ConsumedQuantity", "EffectiveCost",
+                     "ListCost", "ListUnitPrice", "PricingQuantity"], "Decimal"),
+    **dict.fromkeys(["BillingPeriodEnd", "BillingPeriodStart", "ChargePeriodEnd", "ChargePeriodStart"], "DateTime"),
+    **dict.fromkeys(["BillingCurrency", "PricingCurrency"], "CurrencyCode"),
+    "Tags": "JSON",
+    **dict.fromkeys(["BillingAccountId", "BillingAccountName", "BillingAccountType", "ChargeCategory", "ChargeClass",
+                     "ChargeDescription", "ChargeFrequency", "ConsumedUnit", "InvoiceIssuerName", "PricingCategory",
+                     "PricingUnit", "ProviderName", "PublisherName", "RegionId", "RegionName", "ResourceId",
+                     "ResourceName", "ResourceType", "ServiceCategory", "ServiceName", "ServiceSubcategory", "SkuId",
+                     "SkuPriceId", "SubAccountId", "SubAccountName", "SubAccountType"], "String"),
+}
+# mandatory columns the specification does not allow to be null on a usage row
+FOCUS_NOT_NULL = ["BilledCost", "BillingAccountId", "BillingCurrency", "BillingPeriodEnd", "BillingPeriodStart",
+                  "ChargeCategory", "ChargePeriodEnd", "ChargePeriodStart", "ContractedCost", "EffectiveCost",
+                  "ListCost", "PricingQuantity", "PricingUnit", "ServiceCategory", "ServiceName"]
 
 
 @pytest.fixture
@@ -111,17 +130,30 @@ def test_finance_report_has_every_tenant_and_lines_sum_to_the_total_in_every_for
 
 def test_focus_export_has_the_mandatory_columns_with_their_types(
         org, usage, rq_queues, django_capture_on_commit_callbacks):
+    from metering.models import TokenPrice, TokenUsage
+
+    # a token line too (the fixture's usage is card time only): its row must be typed as well
+    TokenPrice.objects.create(model_name="demo-llm", per_million_input=Decimal("1.0000"),
+                              per_million_output=Decimal("2.0000"), effective_from=t(2020, 1, 1))
+    TokenUsage.objects.create(hour=t(2025, 3, 7, 10), tenant=org.tenants["alpha"], project=org.projects["alpha"],
+                              api_key="atr_test", model_service="chat", model_name="demo-llm", input_tokens=1500,
+                              output_tokens=500, requests=3)
     report, files = build(org.finance, rq_queues, django_capture_on_commit_callbacks, grouping=ReportGrouping.DAY)
+    assert {row["ConsumedUnit"] for row in files["focus"]} == {"GPU-Hours", "1000 Tokens"}
     header = next(csv.reader(io.StringIO(report.focus_file.open("rb").read().decode())))
     assert set(FOCUS_MANDATORY) <= set(header)
     spec_like = {c for c in header if not c.startswith("x_")}
     assert spec_like <= {c for c, _ in exports.FOCUS_COLUMNS}
     assert all(c[0].isupper() for c in spec_like)  # non-spec columns must carry the x_ prefix
-    types = dict(exports.FOCUS_COLUMNS)
+    assert spec_like <= set(FOCUS_SPEC_TYPES)  # every spec column written has its spec type below
+    types = {**dict(exports.FOCUS_COLUMNS), **FOCUS_SPEC_TYPES}  # the exporter's own only for x_ columns
     assert files["focus"]
     for row in files["focus"]:
+        assert all(row[col] != "" for col in FOCUS_NOT_NULL), {c: row[c] for c in FOCUS_NOT_NULL}
         for col, value in row.items():
             kind = types[col]
+            if value == "" and col not in FOCUS_NOT_NULL:
+                continue  # a nullable column left null
             if kind == "Decimal":
                 Decimal(value)
             elif kind == "DateTime":
