@@ -96,11 +96,16 @@ def enqueue_report(report_id: int) -> bool:
         return False
 
 
+CLOSE_DAYS = 3  # the previous month is closed on the first periodic call of the month's first 3 days
+
+
 def enqueue_periodic(now: dt.datetime | None = None) -> list[str]:
-    """Enqueue the periodic metering work (idempotent: fixed job ids). Call every few minutes.
+    """Enqueue the periodic metering work (idempotent: fixed job ids). Call every few minutes;
+    every worker also calls it when it starts (metering.worker).
 
     Rollups (with accrual) and budget checks every call; the monthly close of the previous
-    month once on the first day of a month.
+    month once, on the first call in the first CLOSE_DAYS days of a month (so a scheduler loop
+    that was down on the 1st still closes it).
     """
     from metering import services
 
@@ -111,12 +116,12 @@ def enqueue_periodic(now: dt.datetime | None = None) -> list[str]:
     if _enqueue_unique("metering", check_budgets, "atrium-metering-budgets"):
         done.append("budgets")
     today = now.astimezone(dt.UTC).date()
-    if today.day == 1:
-        previous = services.month_start(today - dt.timedelta(days=1))
+    if today.day <= CLOSE_DAYS:
+        previous = services.month_start(today.replace(day=1) - dt.timedelta(days=1))
         queue = django_rq.get_queue("metering")
         job_id = f"atrium-metering-close-{previous:%Y-%m}"
-        # one close per month: the finished job is kept a day, so later calls that day skip it
+        # one close per month: the finished job is kept past the close days, so later calls skip it
         if queue.fetch_job(job_id) is None:
-            queue.enqueue(close_month, previous.isoformat(), job_id=job_id, result_ttl=2 * 24 * 3600)
+            queue.enqueue(close_month, previous.isoformat(), job_id=job_id, result_ttl=(CLOSE_DAYS + 1) * 24 * 3600)
             done.append("close")
     return done

@@ -250,6 +250,8 @@ WHITENOISE_USE_FINDERS = DEBUG or TESTING
 if DEBUG or TESTING:
     Path(STATIC_ROOT).mkdir(parents=True, exist_ok=True)  # whitenoise warns about a missing root
 
+# the worker schedules the periodic metering work when it starts (metering/worker.py)
+RQ = {"WORKER_CLASS": "metering.worker.Worker"}
 RQ_QUEUES = {
     name: {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 600}
     for name in ("default", "scheduling", "metering", "reports")

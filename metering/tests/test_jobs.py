@@ -6,6 +6,8 @@ callbacks are run explicitly (as a committed request would run them)."""
 from __future__ import annotations
 
 import pytest
+import rq
+from django.conf import settings
 from django.db.models import Sum
 
 from metering import jobs
@@ -25,7 +27,27 @@ def test_periodic_work_is_enqueued_once_and_the_month_close_once_per_month(
     assert rq_queues[0].count == 2
     assert periodic(t(2025, 4, 1, 0, 5)) == ["close"]
     assert periodic(t(2025, 4, 1, 0, 10)) == []
+    assert periodic(t(2025, 4, 3, 9)) == []  # kept past the close days: once per month
     assert rq_queues[0].fetch_job("atrium-metering-close-2025-03").args == ("2025-03-01",)
+    # a loop that was down on the 1st closes the month on the 2nd or 3rd, not later
+    assert periodic(t(2025, 5, 3, 23, 55)) == ["close"]
+    assert rq_queues[0].fetch_job("atrium-metering-close-2025-04").args == ("2025-04-01",)
+    assert periodic(t(2025, 6, 4, 0, 5)) == []
+    assert rq_queues[0].fetch_job("atrium-metering-close-2025-05") is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_starting_worker_schedules_the_periodic_work_and_a_burst_worker_does_not(rq_queues):
+    from metering.worker import SimpleWorker, Worker
+
+    assert settings.RQ["WORKER_CLASS"] == "metering.worker.Worker" and issubclass(Worker, rq.Worker)
+    queue = rq_queues[0]
+    SimpleWorker(rq_queues, connection=queue.connection).work(burst=True)
+    assert queue.count == 0 and not queue.finished_job_registry.get_job_ids()
+    # a worker that starts for good schedules the periodic work (fixed ids, so never twice) and runs it
+    SimpleWorker(rq_queues, connection=queue.connection).work(max_idle_time=1)
+    finished = set(queue.finished_job_registry.get_job_ids())
+    assert {"atrium-metering-rollup", "atrium-metering-budgets"} <= finished, finished
 
 
 @pytest.mark.django_db

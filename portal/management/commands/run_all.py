@@ -49,7 +49,7 @@ class Command(BaseCommand):
         procs = [
             subprocess.Popen([*manage, "runserver", "--noreload", addr]),  # nosec B603 # our own manage.py, no shell
             subprocess.Popen([*manage, "rqworker", "scheduling", "metering", "reports", "default",  # nosec B603 # our own manage.py
-                              "--worker-class", "rq.worker.SimpleWorker", "--verbosity", "0"]),
+                              "--worker-class", "metering.worker.SimpleWorker", "--verbosity", "0"]),
             subprocess.Popen([*manage, "run_scheduler"]),  # nosec B603 # our own manage.py, no shell
             # the demo's model server behind the chat-assistant service (OpenAI-compatible)
             subprocess.Popen([*manage, "run_upstream", "--port", "8001"]),  # nosec B603 # our own manage.py, no shell
