@@ -232,20 +232,31 @@ def report_lines(report: Report, progress=lambda pct: None) -> Lines:
     prices = list(Price.objects.order_by("accelerator_model_id", "effective_from"))
     price_e4 = {p.pk: _units(p.per_card_hour, 4) for p in prices}  # the field has 4 decimal places
     progress(5)
-    for i, (a, b) in enumerate(chunks):
-        qs = access.visible_to(user, UsageRecord.objects.filter(scope, hour__gte=a, hour__lt=b))
-        constant, case, by_pk = _price_segments(prices, "accelerator_model_id", a, b)
-        # a project names its tenant, so the GROUP BY is the narrower (project, model, pool)
-        for day, (project_id, model_id, pool_id), price_pk, (mcs,) in _grouped(
-                qs, ["project_id", "accelerator_model_id", "pool_id"], {"mcs": Sum("milli_card_seconds")}, by_day, case):
+    # card time of a model service's replicas is the service's: its job is the ledger row's job
+    service_of_job = _service_jobs()
+
+    def add_card_time(qs, group: list[str], constant, case, by_pk) -> None:
+        for day, keys, price_pk, (mcs,) in _grouped(qs, group, {"mcs": Sum("milli_card_seconds")}, by_day, case):
+            project_id, model_id, pool_id = keys[:3]
             price = by_pk[price_pk] if price_pk is not None else constant.get(model_id)
-            key = (day, project[project_id][0], project_id, model_id, pool_id, "")
+            key = (day, project[project_id][0], project_id, model_id, pool_id,
+                   service_of_job[keys[3]] if len(keys) > 3 else "")
             atom = atoms.get(key)
             if atom is None:
                 atom = atoms[key] = Atom(*key)
             atom.mcs += mcs
             if price is not None:
                 raw[key] += price_e4[price.pk] * mcs
+
+    # a project names its tenant, so the GROUP BY is the narrower (project, model, pool)
+    group = ["project_id", "accelerator_model_id", "pool_id"]
+    for i, (a, b) in enumerate(chunks):
+        qs = access.visible_to(user, UsageRecord.objects.filter(scope, hour__gte=a, hour__lt=b))
+        segments = _price_segments(prices, "accelerator_model_id", a, b)
+        if service_of_job:
+            add_card_time(qs.filter(job_id__in=service_of_job), [*group, "job_id"], *segments)
+            qs = qs.exclude(job_id__in=service_of_job)
+        add_card_time(qs, group, *segments)
         progress(5 + int(75 * (i + 1) / len(chunks)))
     # price/10^4 x mcs / 3.6e6 card-hours, in micro-units: raw x 10^6 / (10^4 x 3.6e6) = raw / 36,000
     per_micro = 10_000 * services.MCS_PER_CARD_HOUR // 1_000_000
@@ -256,6 +267,13 @@ def report_lines(report: Report, progress=lambda pct: None) -> Lines:
     _idle(report, atoms, lo, hi, by_day)
     progress(90)
     return _group(report, list(atoms.values()), names)
+
+
+def _service_jobs() -> dict[int, str]:
+    """{scheduling job id: model service slug} of every published (or retired) model service."""
+    from serving.models import ModelService
+
+    return dict(ModelService.objects.filter(job__isnull=False).values_list("job_id", "slug"))
 
 
 def _tokens(user, atoms: dict, scope: Q, lo, hi, by_day: bool) -> None:

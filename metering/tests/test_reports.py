@@ -197,3 +197,26 @@ def test_changing_a_price_list_needs_manage_policy_and_sudo(org):
         services.set_price(org.finance, accelerator_model=org.models["l4"], per_card_hour="1")
     denied = AuditEvent.objects.filter(action="metering.price.set", outcome="denied").count()
     assert denied == 2
+
+
+def test_card_time_of_a_model_services_replicas_is_the_services_in_the_report(
+        org, usage, bind, rq_queues, django_capture_on_commit_callbacks):
+    """The ledger row's job is the service's job: grouped by model service, the replicas' card
+    hours and cost are the service's line (and its FOCUS rows say so), batch jobs stay apart."""
+    from serving.models import ModelService, ServiceStatus
+
+    replica = bind("alpha", t(2025, 3, 20, 0), t(2025, 3, 20, 6))  # 6 card-hours of H100 at 2.00
+    ModelService.objects.create(
+        tenant=org.tenants["alpha"], project=org.projects["alpha"], slug="chat-svc", name="chat", base_model="demo-llm",
+        spec=org.specs["h1"], priority_class=org.prio["training"], upstream_url="http://127.0.0.1:9/v1",
+        created_by=org.people["alpha"]["user"], status=ServiceStatus.PUBLISHED, job=replica.job)
+    services.rollup(dt.date(2025, 3, 20), dt.date(2025, 3, 20), now=t(2025, 4, 2))
+    report, files = build(org.finance, rq_queues, django_capture_on_commit_callbacks,
+                          grouping=ReportGrouping.MODEL_SERVICE)
+    lines, total = {r["model_service"]: r for r in files["csv"][:-1]}, files["csv"][-1]
+    assert Decimal(lines["chat-svc"]["card_hours"]) == 6 and Decimal(lines["chat-svc"]["cost"]) == 12
+    assert abs(Decimal(lines[exports.NO_SERVICE]["card_hours"]) - Decimal("31.833333")) < Decimal("0.00001")
+    assert sum(Decimal(r["cost"]) for r in lines.values()) == Decimal(total["cost"]) == report.total_cost
+    service_rows = [r for r in files["focus"] if r["x_ModelService"] == "chat-svc"]
+    assert sum(Decimal(r["ConsumedQuantity"]) for r in service_rows) == 6
+    assert {r["SubAccountId"] for r in service_rows} == {str(org.projects["alpha"].pk)}
