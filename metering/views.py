@@ -15,7 +15,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.db.models import Sum
+from django.db.models import Q, Sum
 from django.http import FileResponse, Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import redirect
 from django.urls import reverse
@@ -68,19 +68,12 @@ def _stacked_bars(series: dict[str, dict[str, float]], days: list[str], title: s
     }
 
 
-@login_required
-def usage(request):
-    """Card-hours and cost per day, stacked by tenant, project or accelerator model (rollups)."""
-    _require_usage(request.user)
-    try:
-        days = max(1, min(366, int(request.GET.get("days", 30))))
-    except ValueError:
-        days = 30
-    by = request.GET.get("by") if request.GET.get("by") in GROUPS else "project"
-    today = timezone.now().date()
-    first = today - dt.timedelta(days=days - 1)
+def _daily_charts(user, first: dt.date, days: int, by: str, scope: Q | None = None) -> dict:
+    """Card-hours and cost per day from `first` for `days` days, stacked by `by` (GROUPS), from
+    the daily rollups within the user's usage reach (and `scope`): plotly figures and totals."""
     rows = list(
-        within_usage_reach(request.user, UsageRollup.objects.filter(granularity=Granularity.DAY, period__gte=first))
+        within_usage_reach(user, UsageRollup.objects.filter(
+            scope or Q(), granularity=Granularity.DAY, period__gte=first, period__lt=first + dt.timedelta(days=days)))
         .values("period", GROUPS[by]).annotate(mcs=Sum("milli_card_seconds"), cost=Sum("cost")).order_by("period")
     )
     labels = [(first + dt.timedelta(days=i)).isoformat() for i in range(days)]
@@ -93,6 +86,25 @@ def usage(request):
         cost[key][day] = float(r["cost"])
         totals["hours"] += Decimal(r["mcs"]) / services.MCS_PER_CARD_HOUR
         totals["cost"] += r["cost"]
+    return {
+        "hours_chart": _stacked_bars(hours, labels, f"Card-hours per day by {by}", "card-hours") if rows else None,
+        "cost_chart": _stacked_bars(cost, labels, f"Cost per day by {by}", settings.ATRIUM_CURRENCY) if rows else None,
+        "total_hours": round(totals["hours"], 2), "total_cost": round(totals["cost"], 2),
+    }
+
+
+@login_required
+def usage(request):
+    """Card-hours and cost per day, stacked by tenant, project or accelerator model (rollups)."""
+    _require_usage(request.user)
+    try:
+        days = max(1, min(366, int(request.GET.get("days", 30))))
+    except ValueError:
+        days = 30
+    by = request.GET.get("by") if request.GET.get("by") in GROUPS else "project"
+    today = timezone.now().date()
+    first = today - dt.timedelta(days=days - 1)
+    charts = _daily_charts(request.user, first, days, by)
     capacity = None
     if access.has_platform_perm(request.user, "view_all_usage"):
         capacity = list(
@@ -107,12 +119,8 @@ def usage(request):
         for c in capacity:
             for k in ("healthy", "used", "idle", "faulty"):
                 c[k] = round(c[k] / services.MCS_PER_CARD_HOUR, 1)
-    ctx = {
-        "days": days, "by": by, "groups": list(GROUPS), "currency": settings.ATRIUM_CURRENCY,
-        "hours_chart": _stacked_bars(hours, labels, f"Card-hours per day by {by}", "card-hours") if rows else None,
-        "cost_chart": _stacked_bars(cost, labels, f"Cost per day by {by}", settings.ATRIUM_CURRENCY) if rows else None,
-        "total_hours": round(totals["hours"], 2), "total_cost": round(totals["cost"], 2), "capacity": capacity,
-    }
+    ctx = {"days": days, "by": by, "groups": list(GROUPS), "currency": settings.ATRIUM_CURRENCY, **charts,
+           "capacity": capacity}
     return render_page(request, "metering/usage.html", ctx)
 
 
@@ -144,7 +152,16 @@ def report_list(request):
 def report_detail(request, pk: int):
     report = access.get_visible_or_404(
         request.user, Report.objects.select_related("requested_by", "tenant", "project"), pk=pk)
-    response = render_page(request, "metering/report_detail.html", {"report": report},
+    ctx = {"report": report, "currency": settings.ATRIUM_CURRENCY}
+    if not request.htmx:  # the progress poll re-renders the status only
+        # the report's period and scope over time (card time from the daily rollups), stacked by
+        # its grouping where that is a tenant, project or accelerator model, else by project
+        by = {"tenant": "tenant", "project": "project", "accelerator_model": "model"}.get(report.grouping, "project")
+        scope = Q(project_id=report.project_id) if report.project_id else (
+            Q(tenant_id=report.tenant_id) if report.tenant_id else Q())
+        days = max(1, min(366, (report.period_end - report.period_start).days))
+        ctx.update(by=by, **_daily_charts(request.user, report.period_start, days, by, scope))
+    response = render_page(request, "metering/report_detail.html", ctx,
                            fragment="metering/partials/report_status.html")
     if request.htmx and report.is_finished:
         response.status_code = 286  # htmx: stop polling, the report will not change any more

@@ -79,6 +79,26 @@ def test_report_of_another_tenant_is_404_and_progress_polling_stops_when_done(cl
     assert "alpha-p" in body and "beta" not in body
 
 
+def test_report_page_charts_its_period_and_scope_over_time(client, org, rolled, django_assert_max_num_queries):
+    today = timezone.now().date()
+    period = {"period_start": today - dt.timedelta(days=10), "period_end": today + dt.timedelta(days=1),
+              "grouping": "project", "mode": "showback", "enqueue": False}
+    mine = services.request_report(org.people["alpha"]["admin"], tenant=org.tenants["alpha"], **period)
+    client.force_login(org.people["alpha"]["admin"])
+    with django_assert_max_num_queries(25):
+        r = client.get(reverse("metering:report_detail", args=[mine.pk]))
+    assert b"plotly-3.7.0.min.js" in r.content and b'data-chart="report-cost"' in r.content
+    fig = chart(r, "report-hours")
+    assert {trace["name"] for trace in fig["data"]} == {"alpha-p"}  # the tenant's report: its projects only
+    assert sum(sum(trace["y"]) for trace in fig["data"]) == pytest.approx(4.0)
+    assert len(fig["data"][0]["x"]) == 11  # one bar per day of the period
+    finance = services.request_report(org.finance, **{**period, "grouping": "tenant"})
+    client.force_login(org.finance)
+    fig = chart(client.get(reverse("metering:report_detail", args=[finance.pk])), "report-hours")
+    assert {trace["name"] for trace in fig["data"]} == {"alpha", "beta"}
+    assert sum(sum(trace["y"]) for trace in fig["data"]) == pytest.approx(10.0)
+
+
 def test_report_list_creates_a_report_in_scope_and_lists_with_bounded_queries(
         client, org, rolled, django_assert_max_num_queries, django_capture_on_commit_callbacks):
     client.force_login(org.people["alpha"]["finance"])
