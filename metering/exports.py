@@ -52,6 +52,7 @@ Q6 = services.COST_PLACES
 ZERO6 = ZERO.quantize(Q6)
 NO_SERVICE = "(batch jobs)"
 IDLE = "(idle capacity)"
+FAULTY = "(faulty capacity)"  # quarantined or failed cards: nobody's use, and not idle either
 SPOOL_BYTES = 8 * 1024 * 1024  # files larger than this go to a temporary file, not memory
 
 
@@ -297,13 +298,25 @@ def _tokens(user, atoms: dict, scope: Q, lo, hi, by_day: bool) -> None:
 
 
 def _idle(report: Report, atoms: dict, lo, hi, by_day: bool) -> None:
-    """Chargeback: spread each pool's idle cost by use; showback for every tenant: idle lines."""
+    """Chargeback: spread each pool's idle cost by use; showback for every tenant: idle lines.
+    Faulty card time is nobody's idle cost: a report of every tenant shows it on lines of its
+    own, in both modes."""
     days = PoolCapacity.objects.filter(granularity=Granularity.DAY, period__gte=lo.date(), period__lt=hi.date())
     cap = {
         (r["pool_id"], r["accelerator_model_id"]): r
         for r in days.values("pool_id", "accelerator_model_id")
-        .annotate(idle=Sum("idle_cost"), used=Sum("used_milli_card_seconds")).order_by()
+        .annotate(idle=Sum("idle_cost"), used=Sum("used_milli_card_seconds"), faulty=Sum("faulty_cost")).order_by()
     }
+    if not report.tenant_id and not report.project_id:
+        if by_day:
+            for r in days.filter(faulty_cost__gt=0).values("period", "pool_id", "accelerator_model_id", "faulty_cost"):
+                key = (r["period"], None, None, r["accelerator_model_id"], r["pool_id"], FAULTY)
+                atoms[key] = Atom(*key, list_cost=r["faulty_cost"].quantize(Q6))
+        else:
+            for (pool_id, model_id), c in cap.items():
+                if c["faulty"]:
+                    key = (None, None, None, model_id, pool_id, FAULTY)
+                    atoms[key] = Atom(*key, list_cost=c["faulty"].quantize(Q6))
     if report.mode == ReportMode.SHOWBACK and by_day and not report.tenant_id and not report.project_id:
         for r in days.filter(idle_cost__gt=0).values("period", "pool_id", "accelerator_model_id", "idle_cost"):
             key = (r["period"], None, None, r["accelerator_model_id"], r["pool_id"], IDLE)
@@ -316,6 +329,18 @@ def _idle(report: Report, atoms: dict, lo, hi, by_day: bool) -> None:
             c = share.get((atom.pool_id, atom.accelerator_model_id))
             if c and atom.mcs:
                 atom.idle_share = _micro(c[0] * atom.mcs, c[1])
+        if not report.tenant_id and not report.project_id:
+            # a pool nobody used in the period has no use to share its idle cost by: apart, for finance
+            unshared = {k for k, c in cap.items() if not c["used"] and c["idle"]}
+            if by_day:
+                for r in days.filter(idle_cost__gt=0).values("period", "pool_id", "accelerator_model_id", "idle_cost"):
+                    if (r["pool_id"], r["accelerator_model_id"]) in unshared:
+                        key = (r["period"], None, None, r["accelerator_model_id"], r["pool_id"], IDLE)
+                        atoms[key] = Atom(*key, list_cost=r["idle_cost"].quantize(Q6))
+            else:
+                for pool_id, model_id in unshared:
+                    key = (None, None, None, model_id, pool_id, IDLE)
+                    atoms[key] = Atom(*key, list_cost=cap[pool_id, model_id]["idle"].quantize(Q6))
     elif not report.tenant_id and not report.project_id:
         for (pool_id, model_id), c in cap.items():
             if c["idle"]:
@@ -328,11 +353,11 @@ def _group(report: Report, atoms: list[Atom], names: Names) -> Lines:
     tenants, projects, models = names.tenant, names.project, names.model
 
     def label(a: Atom) -> tuple:
-        tenant = tenants[a.tenant_id] if a.tenant_id else IDLE
+        tenant = tenants[a.tenant_id] if a.tenant_id else a.model_service  # IDLE or FAULTY
         if g == ReportGrouping.TENANT:
             return (tenant,)
         if g == ReportGrouping.PROJECT:
-            return (tenant, projects[a.project_id][1] if a.project_id else IDLE)
+            return (tenant, projects[a.project_id][1] if a.project_id else a.model_service)
         if g == ReportGrouping.ACCELERATOR_MODEL:
             return (models[a.accelerator_model_id][1] if a.accelerator_model_id else "(tokens)",)
         if g == ReportGrouping.MODEL_SERVICE:
@@ -506,7 +531,7 @@ class _FocusParts:
                 SubAccountId=str(project_id) if slug else "", SubAccountName=slug or "",
                 SubAccountType="Project" if slug else "",
                 # keys in sorted order, so the default (C) encoder gives what sort_keys=True would
-                Tags=json.dumps({"project": slug, "tenant": tenant} if slug else {"idle": "true"}),
+                Tags=json.dumps({"project": slug, "tenant": tenant} if slug else {"unallocated": "true"}),  # idle or faulty
                 x_TenantId=str(tenant_id) if tenant else "", x_TenantName=tenant or "",
             ))
         return part
@@ -528,8 +553,9 @@ class _FocusParts:
                     ConsumedUnit="GPU-Hours", PricingUnit="GPU-Hours", ServiceCategory="Compute",
                     ServiceSubcategory="Other (Compute)", ServiceName="Atrium GPU", ResourceId=rid,
                     ResourceName=f"{short} in pool {pool}", ResourceType="GPU", SkuId=rid, SkuPriceId=f"{rid}@list",
-                    ChargeDescription=(f"Idle healthy {short} capacity in pool {pool}" if service == IDLE
-                                       else f"{short} card time"),
+                    ChargeDescription={IDLE: f"Idle healthy {short} capacity in pool {pool}",
+                                       FAULTY: f"Faulty (quarantined or failed) {short} capacity in pool {pool}",
+                                       }.get(service, f"{short} card time"),
                     x_Pool=pool, x_ModelService=service)
             part = self.resources[model_id, pool_id, service] = self.shape("resource", cols)
         return part

@@ -220,3 +220,35 @@ def test_card_time_of_a_model_services_replicas_is_the_services_in_the_report(
     service_rows = [r for r in files["focus"] if r["x_ModelService"] == "chat-svc"]
     assert sum(Decimal(r["ConsumedQuantity"]) for r in service_rows) == 6
     assert {r["SubAccountId"] for r in service_rows} == {str(org.projects["alpha"].pk)}
+
+
+def test_faulty_card_time_is_reported_apart_for_finance_and_never_as_idle_or_a_tenants_cost(
+        org, bind, prices, rq_queues, django_capture_on_commit_callbacks):
+    from metering.models import Granularity, PoolCapacity
+    from scheduling.models import Accelerator, Health, HealthEvent
+
+    cards = list(Accelerator.objects.filter(model=org.models["h100"]).order_by("pk"))
+    bind("alpha", t(2025, 3, 4, 0), t(2025, 3, 5, 0), card=cards[0])
+    HealthEvent.objects.create(accelerator=cards[1], time=t(2025, 3, 4, 12), kind="xid", message="xid 79",
+                               resulting_health=Health.QUARANTINED)
+    services.rollup(dt.date(2025, 3, 1), dt.date(2025, 3, 31), now=t(2025, 4, 2))
+    days = PoolCapacity.objects.filter(granularity=Granularity.DAY, period__gte=MARCH, period__lt=APRIL)
+    faulty = sum(c.faulty_cost for c in days)
+    idle = sum(c.idle_cost for c in days)
+    assert faulty > 0 and idle > 0
+    for mode in (ReportMode.SHOWBACK, ReportMode.CHARGEBACK):
+        report, files = build(org.finance, rq_queues, django_capture_on_commit_callbacks, mode=mode,
+                              grouping=ReportGrouping.TENANT)
+        lines = {r["tenant"]: Decimal(r["cost"]) for r in files["csv"][:-1]}
+        assert lines[exports.FAULTY] == faulty.quantize(Decimal("0.000001"))  # apart, in both modes
+        assert sum(lines.values()) == report.total_cost
+        if mode == ReportMode.SHOWBACK:
+            assert lines[exports.IDLE] == idle.quantize(Decimal("0.000001"))  # idle without the faulty time
+        else:  # idle spread by use where the pool was used (alpha's), apart where nobody used it; faulty never
+            assert lines["alpha"] > Decimal(48) and lines["alpha"] + lines[exports.IDLE] == Decimal(48) + idle
+        rows = [r for r in files["focus"] if r["x_ModelService"] == exports.FAULTY]
+        assert rows and all(r["ChargeDescription"].startswith("Faulty") and not r["SubAccountId"] for r in rows)
+        assert sum(Decimal(r["BilledCost"]) for r in files["focus"]) == report.total_cost
+    mine, files = build(org.people["alpha"]["admin"], rq_queues, django_capture_on_commit_callbacks,
+                        tenant=org.tenants["alpha"], grouping=ReportGrouping.TENANT)
+    assert {r["tenant"] for r in files["csv"][:-1]} == {"alpha"}  # a tenant's report: neither idle nor faulty
