@@ -545,7 +545,8 @@ class _Cycle:
             )
         if job.budget_blocked:
             return WaitReason.BUDGET, (
-                f"the budget of project {job.project} is spent; a finance admin can raise it"
+                f"this month's blocking budget of project {job.project} or of its tenant is spent; "
+                "a finance admin can raise it"
             )
         allowed, breaches = self.quota_view(job)
         if not allowed:
