@@ -298,54 +298,46 @@ def _tokens(user, atoms: dict, scope: Q, lo, hi, by_day: bool) -> None:
 
 
 def _idle(report: Report, atoms: dict, lo, hi, by_day: bool) -> None:
-    """Chargeback: spread each pool's idle cost by use; showback for every tenant: idle lines.
-    Faulty card time is nobody's idle cost: a report of every tenant shows it on lines of its
-    own, in both modes."""
+    """Idle and faulty capacity (PoolCapacity, per pool and accelerator model).
+
+    Chargeback: each pool's idle cost is shared among its users by their card time (like
+    OpenCost's share-idle). A report of every tenant also shows, on lines of their own and with
+    their card-hours (so a FOCUS row's quantity x unit price is its cost): in showback all idle
+    capacity, in chargeback the idle capacity of pools nobody used in the period (no use to
+    share it by), and in both modes faulty card time, which is nobody's use and not idle cost.
+    A tenant's or a project's report has neither."""
     days = PoolCapacity.objects.filter(granularity=Granularity.DAY, period__gte=lo.date(), period__lt=hi.date())
     cap = {
         (r["pool_id"], r["accelerator_model_id"]): r
         for r in days.values("pool_id", "accelerator_model_id")
-        .annotate(idle=Sum("idle_cost"), used=Sum("used_milli_card_seconds"), faulty=Sum("faulty_cost")).order_by()
+        .annotate(idle=Sum("idle_cost"), idle_mcs=Sum("idle_milli_card_seconds"), used=Sum("used_milli_card_seconds"),
+                  faulty=Sum("faulty_cost"), faulty_mcs=Sum("faulty_milli_card_seconds")).order_by()
     }
-    if not report.tenant_id and not report.project_id:
-        if by_day:
-            for r in days.filter(faulty_cost__gt=0).values("period", "pool_id", "accelerator_model_id", "faulty_cost"):
-                key = (r["period"], None, None, r["accelerator_model_id"], r["pool_id"], FAULTY)
-                atoms[key] = Atom(*key, list_cost=r["faulty_cost"].quantize(Q6))
-        else:
-            for (pool_id, model_id), c in cap.items():
-                if c["faulty"]:
-                    key = (None, None, None, model_id, pool_id, FAULTY)
-                    atoms[key] = Atom(*key, list_cost=c["faulty"].quantize(Q6))
-    if report.mode == ReportMode.SHOWBACK and by_day and not report.tenant_id and not report.project_id:
-        for r in days.filter(idle_cost__gt=0).values("period", "pool_id", "accelerator_model_id", "idle_cost"):
-            key = (r["period"], None, None, r["accelerator_model_id"], r["pool_id"], IDLE)
-            atoms[key] = Atom(*key, list_cost=r["idle_cost"].quantize(Q6))
-        return
-    if report.mode == ReportMode.CHARGEBACK:
+    if report.mode == ReportMode.CHARGEBACK:  # only usage atoms exist yet
         # each atom's share of its pool's idle cost, by its card time: idle x mcs / used
         share = {k: (_units(c["idle"], 6), c["used"]) for k, c in cap.items() if c["used"] and c["idle"] is not None}
         for atom in atoms.values():
             c = share.get((atom.pool_id, atom.accelerator_model_id))
             if c and atom.mcs:
                 atom.idle_share = _micro(c[0] * atom.mcs, c[1])
-        if not report.tenant_id and not report.project_id:
-            # a pool nobody used in the period has no use to share its idle cost by: apart, for finance
-            unshared = {k for k, c in cap.items() if not c["used"] and c["idle"]}
-            if by_day:
-                for r in days.filter(idle_cost__gt=0).values("period", "pool_id", "accelerator_model_id", "idle_cost"):
-                    if (r["pool_id"], r["accelerator_model_id"]) in unshared:
-                        key = (r["period"], None, None, r["accelerator_model_id"], r["pool_id"], IDLE)
-                        atoms[key] = Atom(*key, list_cost=r["idle_cost"].quantize(Q6))
-            else:
-                for pool_id, model_id in unshared:
-                    key = (None, None, None, model_id, pool_id, IDLE)
-                    atoms[key] = Atom(*key, list_cost=cap[pool_id, model_id]["idle"].quantize(Q6))
-    elif not report.tenant_id and not report.project_id:
-        for (pool_id, model_id), c in cap.items():
-            if c["idle"]:
-                key = (None, None, None, model_id, pool_id, IDLE)
-                atoms[key] = Atom(*key, list_cost=c["idle"].quantize(Q6))
+    if report.tenant_id or report.project_id:
+        return
+    idle_apart = set(cap) if report.mode == ReportMode.SHOWBACK else {k for k, c in cap.items() if not c["used"]}
+    if by_day:
+        parts = [((r["period"], r["pool_id"], r["accelerator_model_id"]), r["idle_cost"], r["idle_milli_card_seconds"],
+                  r["faulty_cost"], r["faulty_milli_card_seconds"])
+                 for r in days.values("period", "pool_id", "accelerator_model_id", "idle_cost", "idle_milli_card_seconds",
+                                      "faulty_cost", "faulty_milli_card_seconds")]
+    else:
+        parts = [((None, pool_id, model_id), c["idle"], c["idle_mcs"], c["faulty"], c["faulty_mcs"])
+                 for (pool_id, model_id), c in cap.items()]
+    for (day, pool_id, model_id), idle, idle_mcs, faulty, faulty_mcs in parts:
+        if idle and (pool_id, model_id) in idle_apart:
+            key = (day, None, None, model_id, pool_id, IDLE)
+            atoms[key] = Atom(*key, mcs=idle_mcs or 0, list_cost=idle.quantize(Q6))
+        if faulty:
+            key = (day, None, None, model_id, pool_id, FAULTY)
+            atoms[key] = Atom(*key, mcs=faulty_mcs or 0, list_cost=faulty.quantize(Q6))
 
 
 def _group(report: Report, atoms: list[Atom], names: Names) -> Lines:

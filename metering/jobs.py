@@ -105,7 +105,9 @@ def enqueue_periodic(now: dt.datetime | None = None) -> list[str]:
 
     Rollups (with accrual) and budget checks every call; the monthly close of the previous
     month once, on the first call in the first CLOSE_DAYS days of a month (so a scheduler loop
-    that was down on the 1st still closes it).
+    that was down on the 1st still closes it), and again on a later call of those days if it
+    failed. The check and the enqueue are not atomic: two callers at the same instant may both
+    enqueue a job; every one of these jobs is an idempotent recompute, so that costs time only.
     """
     from metering import services
 
@@ -120,8 +122,13 @@ def enqueue_periodic(now: dt.datetime | None = None) -> list[str]:
         previous = services.month_start(today.replace(day=1) - dt.timedelta(days=1))
         queue = django_rq.get_queue("metering")
         job_id = f"atrium-metering-close-{previous:%Y-%m}"
-        # one close per month: the finished job is kept past the close days, so later calls skip it
-        if queue.fetch_job(job_id) is None:
-            queue.enqueue(close_month, previous.isoformat(), job_id=job_id, result_ttl=(CLOSE_DAYS + 1) * 24 * 3600)
+        # one close per month: a finished close is kept past the close days, so later calls skip
+        # it; one that failed (or was stopped) is tried again by the next call
+        existing = queue.fetch_job(job_id)
+        if existing is None or existing.get_status(refresh=False) in ("failed", "stopped", "canceled"):
+            if existing is not None:
+                existing.delete()
+            queue.enqueue(close_month, previous.isoformat(), job_id=job_id, result_ttl=(CLOSE_DAYS + 1) * 24 * 3600,
+                          failure_ttl=(CLOSE_DAYS + 1) * 24 * 3600)
             done.append("close")
     return done

@@ -1,7 +1,8 @@
 """The RQ worker classes Atrium runs (settings.RQ["WORKER_CLASS"], `make run`'s SimpleWorker).
 
 At start-up a worker schedules the periodic metering work (metering.jobs.enqueue_periodic:
-fixed job ids, so any number of workers starting at once enqueue each job once). The
+fixed job ids, so a job still queued or running is not enqueued again; workers starting at the
+very same instant may both enqueue one, and every one is an idempotent recompute). The
 scheduler loop goes on enqueueing it every five minutes; a worker that starts while the loop
 is down still gets rollups, budget checks and the month close going. A burst worker (tests,
 one-off drains) only works off what is queued.

@@ -248,6 +248,11 @@ def test_faulty_card_time_is_reported_apart_for_finance_and_never_as_idle_or_a_t
             assert lines["alpha"] > Decimal(48) and lines["alpha"] + lines[exports.IDLE] == Decimal(48) + idle
         rows = [r for r in files["focus"] if r["x_ModelService"] == exports.FAULTY]
         assert rows and all(r["ChargeDescription"].startswith("Faulty") and not r["SubAccountId"] for r in rows)
+        # the quarantined card from 4 March 12:00 to the end of March: 660 card-hours at 2.00
+        assert sum(Decimal(r["ConsumedQuantity"]) for r in rows) == 660
+        assert {r["ListUnitPrice"] for r in rows} == {"2.000000"}
+        for r in files["focus"]:  # every row, idle and faulty included: quantity x unit price = list cost
+            assert abs(Decimal(r["PricingQuantity"]) * Decimal(r["ListUnitPrice"]) - Decimal(r["ListCost"])) < Decimal("0.01")
         assert sum(Decimal(r["BilledCost"]) for r in files["focus"]) == report.total_cost
     mine, files = build(org.people["alpha"]["admin"], rq_queues, django_capture_on_commit_callbacks,
                         tenant=org.tenants["alpha"], grouping=ReportGrouping.TENANT)
