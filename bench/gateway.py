@@ -344,7 +344,8 @@ def main() -> None:
     procs = []
     scenarios = []
     gunicorn_cmd = [sys.executable, "-m", "gunicorn", "portal.wsgi:application", "-b", f"127.0.0.1:{gw_port}",
-                    "--log-level", "warning", *args.gunicorn_args.split()]
+                    # the access log as the image, compose and the Kubernetes manifests run it (to stdout)
+                    "--log-level", "warning", "--access-logfile", "-", *args.gunicorn_args.split()]
     load_before = loadavg()
     try:
         procs.append(subprocess.Popen([sys.executable, "-m", "serving.upstream", "--port", str(up_port)], cwd=ROOT,
