@@ -46,13 +46,19 @@ def test_crossing_80_percent_raises_one_alarm_however_often_budgets_are_checked(
     assert alarm.resolved is not None and Alarm.objects.filter(resolved__isnull=True).count() == 0
 
 
-@pytest.mark.django_db
-def test_block_budget_at_100_percent_blocks_its_scope_and_warn_budget_does_not(org, bind, prices):
+def block_alpha_warn_beta(org):
+    """A 16.00 money budget on each project: alpha's blocks, beta's only warns."""
     alpha, beta = org.projects["alpha"], org.projects["beta"]
     services.set_budget(org.admin, tenant=alpha.tenant, project=alpha, unit=BudgetUnit.MONEY, amount=16,
                         mode=BudgetMode.BLOCK)
     services.set_budget(org.admin, tenant=beta.tenant, project=beta, unit=BudgetUnit.MONEY, amount=16,
                         mode=BudgetMode.WARN)
+    return alpha, beta
+
+
+@pytest.mark.django_db
+def test_block_budget_at_100_percent_blocks_its_scope_and_warn_budget_does_not(org, bind, prices):
+    alpha, beta = block_alpha_warn_beta(org)
     for slug in ("alpha", "beta"):
         bind(slug, t(2025, 3, 3, 0), t(2025, 3, 3, 7))  # 7 h x 2.00 = 14.00, 87.5 %
     services.accrue(until=NOW)
@@ -78,11 +84,7 @@ def test_a_real_cycle_holds_a_spent_block_budget_with_reason_budget_and_admits_a
     from scheduling import services as sched
     from scheduling.models import Job, JobState
 
-    alpha, beta = org.projects["alpha"], org.projects["beta"]
-    services.set_budget(org.admin, tenant=alpha.tenant, project=alpha, unit=BudgetUnit.MONEY, amount=16,
-                        mode=BudgetMode.BLOCK)
-    services.set_budget(org.admin, tenant=beta.tenant, project=beta, unit=BudgetUnit.MONEY, amount=16,
-                        mode=BudgetMode.WARN)
+    alpha, beta = block_alpha_warn_beta(org)
     for slug in ("alpha", "beta"):
         bind(slug, t(2025, 3, 3, 0), t(2025, 3, 3, 8))  # 8 h x 2.00 = 16.00 = 100 % of each budget
     Job.objects.update(state=JobState.SUCCEEDED, finished=t(2025, 3, 3, 8))
