@@ -191,6 +191,24 @@ def token_price_at(model_name: str, at: dt.datetime) -> tuple[Decimal, Decimal]:
     return (p.per_million_input, p.per_million_output) if p else (Decimal(0), Decimal(0))
 
 
+def token_prices():
+    """token_price_at without a query per call: every token price is read once, and the
+    returned function answers (per million input, per million output) for (model, time)."""
+    by_model: dict[str, list[TokenPrice]] = defaultdict(list)
+    for p in TokenPrice.objects.order_by("model_name", "effective_from"):
+        by_model[p.model_name].append(p)
+
+    def at(model_name: str, when: dt.datetime) -> tuple[Decimal, Decimal]:
+        found = None
+        for p in by_model.get(model_name, ()):
+            if p.effective_from > when:
+                break
+            found = p
+        return (found.per_million_input, found.per_million_output) if found else (Decimal(0), Decimal(0))
+
+    return at
+
+
 def _cost_sum():
     return Sum(ExpressionWrapper(F("milli_card_seconds") * price_case(),
                                  output_field=DecimalField(max_digits=24, decimal_places=4)))
@@ -564,9 +582,10 @@ def budget_spent(budget: Budget, now: dt.datetime) -> Decimal:
     if budget.unit == BudgetUnit.CARD_HOURS:
         return Decimal(ledger.aggregate(m=Sum("milli_card_seconds"))["m"] or 0) / MCS_PER_CARD_HOUR
     money = _to_cost(ledger.aggregate(raw=_cost_sum())["raw"])
+    price_at = token_prices()  # one query for the prices, not one per token row
     for t in TokenUsage.objects.filter(scope, hour__gte=lo, hour__lt=hi).values(
             "model_name", "hour", "input_tokens", "output_tokens"):
-        pin, pout = token_price_at(t["model_name"], t["hour"])
+        pin, pout = price_at(t["model_name"], t["hour"])
         money += (pin * t["input_tokens"] + pout * t["output_tokens"]) / 1_000_000
     return money
 

@@ -124,3 +124,33 @@ def test_budget_rights_tenant_admin_sets_project_budgets_of_own_tenant_only(org)
     with pytest.raises(PermissionDenied):
         services.set_budget(org.people["alpha"]["user"], tenant=org.tenants["alpha"], project=org.projects["alpha"],
                             amount=5)
+
+
+@pytest.mark.django_db
+def test_a_money_budget_prices_its_token_rows_with_a_fixed_number_of_queries(org, prices, django_assert_num_queries):
+    """budget_spent runs for every budget on every check and every scheduling cycle: the token
+    rows of the month are priced at the price of their hour without a query each."""
+    from decimal import Decimal
+
+    from metering.models import Budget, TokenPrice, TokenUsage
+
+    alpha = org.projects["alpha"]
+    TokenPrice.objects.create(model_name="demo-llm", per_million_input=Decimal("1.0000"),
+                              per_million_output=Decimal("2.0000"), effective_from=t(2020, 1, 1))
+    TokenPrice.objects.create(model_name="demo-llm", per_million_input=Decimal("3.0000"),
+                              per_million_output=Decimal("4.0000"), effective_from=t(2025, 3, 10))
+    budget = services.set_budget(org.admin, tenant=alpha.tenant, project=alpha, unit=BudgetUnit.MONEY, amount=100)
+    budget = Budget.objects.get(pk=budget.pk)
+
+    def add(day):
+        TokenUsage.objects.create(hour=t(2025, 3, day, 10), tenant=alpha.tenant, project=alpha, api_key="atr_x",
+                                  model_service="chat", model_name="demo-llm", input_tokens=1_000_000,
+                                  output_tokens=500_000, requests=1)
+
+    add(5)  # before the price change: 1.00 + 1.00
+    with django_assert_num_queries(4) as few:
+        assert services.budget_spent(budget, NOW) == Decimal(2)
+    for day in range(11, 19):  # eight more rows after it: 3.00 + 2.00 each
+        add(day)
+    with django_assert_num_queries(len(few.captured_queries)):
+        assert services.budget_spent(budget, NOW) == Decimal(2) + 8 * Decimal(5)
