@@ -21,14 +21,17 @@ ACTIVE = ("queued", "started", "deferred", "scheduled")
 
 
 def _enqueue_unique(queue_name: str, func, job_id: str, *args, retry: Retry | None = None,
-                    on_failure: Callback | None = None, **kwargs) -> bool:
+                    on_failure: Callback | None = None, skip: tuple[str, ...] = ACTIVE, result_ttl: int = 300,
+                    failure_ttl: int = 24 * 3600, **kwargs) -> bool:
+    """Enqueue `func` under `job_id` unless a job of that id is in a `skip` status (by default
+    queued or running); a job of that id in any other status is replaced."""
     queue = django_rq.get_queue(queue_name)
     existing = queue.fetch_job(job_id)
-    if existing is not None and existing.get_status(refresh=False) in ACTIVE:
+    if existing is not None and existing.get_status(refresh=False) in skip:
         return False
     if existing is not None:
         existing.delete()
-    queue.enqueue(func, job_id=job_id, result_ttl=300, failure_ttl=24 * 3600, args=args, kwargs=kwargs,
+    queue.enqueue(func, job_id=job_id, result_ttl=result_ttl, failure_ttl=failure_ttl, args=args, kwargs=kwargs,
                   retry=retry, on_failure=on_failure)
     return True
 
@@ -120,15 +123,10 @@ def enqueue_periodic(now: dt.datetime | None = None) -> list[str]:
     today = now.astimezone(dt.UTC).date()
     if today.day <= CLOSE_DAYS:
         previous = services.month_start(today.replace(day=1) - dt.timedelta(days=1))
-        queue = django_rq.get_queue("metering")
-        job_id = f"atrium-metering-close-{previous:%Y-%m}"
         # one close per month: a finished close is kept past the close days, so later calls skip
         # it; one that failed (or was stopped) is tried again by the next call
-        existing = queue.fetch_job(job_id)
-        if existing is None or existing.get_status(refresh=False) in ("failed", "stopped", "canceled"):
-            if existing is not None:
-                existing.delete()
-            queue.enqueue(close_month, previous.isoformat(), job_id=job_id, result_ttl=(CLOSE_DAYS + 1) * 24 * 3600,
-                          failure_ttl=(CLOSE_DAYS + 1) * 24 * 3600)
+        kept = (CLOSE_DAYS + 1) * 24 * 3600
+        if _enqueue_unique("metering", close_month, f"atrium-metering-close-{previous:%Y-%m}", previous.isoformat(),
+                           skip=(*ACTIVE, "finished"), result_ttl=kept, failure_ttl=kept):
             done.append("close")
     return done

@@ -186,14 +186,9 @@ def price_at(accelerator_model_id: int, at: dt.datetime) -> Decimal:
     return p.per_card_hour if p else Decimal(0)
 
 
-def token_price_at(model_name: str, at: dt.datetime) -> tuple[Decimal, Decimal]:
-    p = TokenPrice.objects.filter(model_name=model_name, effective_from__lte=at).order_by("-effective_from").first()
-    return (p.per_million_input, p.per_million_output) if p else (Decimal(0), Decimal(0))
-
-
 def token_prices():
-    """token_price_at without a query per call: every token price is read once, and the
-    returned function answers (per million input, per million output) for (model, time)."""
+    """The token price list, read once: the returned function answers (per million input,
+    per million output) for (model, time), the price in effect then (0 without one)."""
     by_model: dict[str, list[TokenPrice]] = defaultdict(list)
     for p in TokenPrice.objects.order_by("model_name", "effective_from"):
         by_model[p.model_name].append(p)

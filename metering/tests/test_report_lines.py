@@ -50,8 +50,9 @@ def tokens(org):
 
 def expected_token_cost(rows) -> Decimal:
     total = Decimal(0)
+    price_at = services.token_prices()
     for r in rows:
-        pin, pout = services.token_price_at(r.model_name, r.hour)
+        pin, pout = price_at(r.model_name, r.hour)
         total += (pin * r.input_tokens + pout * r.output_tokens) / 1_000_000
     return total
 
