@@ -219,11 +219,7 @@ def _grouped(qs, keys: list[str], sums: dict, by_day: bool, case):
 def report_lines(report: Report, progress=lambda pct: None) -> Lines:
     lo, hi = services.day_start(report.period_start), services.day_start(report.period_end)
     by_day = report.grouping == ReportGrouping.DAY
-    scope = Q()
-    if report.project_id:
-        scope = Q(project_id=report.project_id)
-    elif report.tenant_id:
-        scope = Q(tenant_id=report.tenant_id)
+    scope = report.scope_filter
     user = report.requested_by
     names = Names.load()
     project = names.project

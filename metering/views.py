@@ -157,10 +157,8 @@ def report_detail(request, pk: int):
         # the report's period and scope over time (card time from the daily rollups), stacked by
         # its grouping where that is a tenant, project or accelerator model, else by project
         by = {"tenant": "tenant", "project": "project", "accelerator_model": "model"}.get(report.grouping, "project")
-        scope = Q(project_id=report.project_id) if report.project_id else (
-            Q(tenant_id=report.tenant_id) if report.tenant_id else Q())
         days = max(1, min(366, (report.period_end - report.period_start).days))
-        ctx.update(by=by, **_daily_charts(request.user, report.period_start, days, by, scope))
+        ctx.update(by=by, **_daily_charts(request.user, report.period_start, days, by, report.scope_filter))
     response = render_page(request, "metering/report_detail.html", ctx,
                            fragment="metering/partials/report_status.html")
     if request.htmx and report.is_finished:

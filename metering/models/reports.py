@@ -70,5 +70,14 @@ class Report(models.Model):
         return "every tenant"
 
     @property
+    def scope_filter(self) -> models.Q:
+        """The report's scope on any usage row with tenant and project columns (every tenant: none)."""
+        if self.project_id:
+            return models.Q(project_id=self.project_id)
+        if self.tenant_id:
+            return models.Q(tenant_id=self.tenant_id)
+        return models.Q()
+
+    @property
     def is_finished(self) -> bool:
         return self.status in (ReportStatus.DONE, ReportStatus.FAILED)
