@@ -23,3 +23,12 @@ threads = 32
 # Idle keep-alive connections from the proxy in front stay open between requests.
 keepalive = 30
 
+
+# Each process gets its own listening socket (SO_REUSEPORT) and the kernel spreads new
+# connections over them. With one shared socket, whichever process woke first took them: in
+# bench/gateway.py one of two processes held 31 of 32 clients while the other idled, and the
+# gateway's added p99 swung from +36 to +204 ms between identical runs. Caveat: connections
+# queued on a process that dies (not ones being served) are reset; clients and proxies retry
+# a reset connection.
+reuse_port = True
+
