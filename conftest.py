@@ -7,6 +7,7 @@ is deliberately small; tests that need the full demo call `seed_demo` themselves
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -16,6 +17,25 @@ from hypothesis import settings as hypothesis_settings
 from portal import context
 
 PASSWORD = "a-test-password-9f3k"
+
+
+@pytest.fixture(autouse=True)
+def _metering_written_within_the_test():
+    """A request a test's live server answered is metered by the writer thread
+    (serving.meterwriter): written before the next test empties the tables, and the writer's
+    own connection closed before the test database is dropped."""
+    yield
+    meterwriter = sys.modules.get("serving.meterwriter")
+    if meterwriter is not None and meterwriter.writer.pending():
+        assert meterwriter.writer.flush(), "the metering writer did not finish within its timeout"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _meter_writer_stopped_at_the_end(django_db_setup):
+    yield
+    meterwriter = sys.modules.get("serving.meterwriter")
+    if meterwriter is not None:
+        meterwriter.writer.stop()
 
 # Hypothesis budgets. `make test` runs the default profile: each fuzz test keeps its own small,
 # mostly derandomized budget. `make fuzz` sets ATRIUM_HYPOTHESIS_PROFILE=fuzz: fresh random

@@ -32,3 +32,11 @@ keepalive = 30
 # a reset connection.
 reuse_port = True
 
+
+def worker_exit(server, worker):
+    """Drain the gateway's metering writer before the process ends (serving.meterwriter)."""
+    import sys
+
+    meterwriter = sys.modules.get("serving.meterwriter")  # loaded only if this worker served the gateway
+    if meterwriter is not None:
+        meterwriter.writer.stop()

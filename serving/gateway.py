@@ -7,8 +7,9 @@ tenant with the key's scope on it, and the month's tokens in one prepared statem
 another tenant's object answers 404, a known one outside the key's scope 403 -> monthly
 budget -> Redis rate limits (429 + Retry-After) -> proxy with connect/read timeouts and
 bounded retries (one urllib3 pool per process, kept-alive connections) -> the answer -> meter
-the upstream's `usage` exactly once (one prepared statement) when the server has written the
-answer (MeteredResponse; a stream when it ends). Errors are JSON in OpenAI's shape;
+the upstream's `usage` exactly once when the server has written the answer (MeteredResponse;
+a stream when it ends), handed to the process's metering writer (serving.meterwriter) so the
+client's connection is free for its next request. Errors are JSON in OpenAI's shape;
 upstream failures become 502/504 without their internals, and are never billed. This view
 never trusts a tenant, project or id from the client and never logs a key. It reads no
 session: portal.middleware.GatewayShortPathMiddleware sends it requests past the session,
@@ -32,7 +33,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from redis.exceptions import RedisError
 
-from serving import ratelimit
+from serving import meterwriter, ratelimit
 from serving import services as svc
 from serving.models import ApiKey, Application, ModelService, ServiceStatus, Visibility
 
@@ -321,14 +322,9 @@ def _usage_counts(usage, endpoint: str) -> tuple[int | None, int | None]:
 
 def _meter(request, key, service, endpoint, uid, usage, checks, application=None, note="") -> None:
     inp, out = _usage_counts(usage, endpoint)
-    svc.record_usage(uid=uid, key=key, service=service, endpoint=endpoint, input_tokens=inp, output_tokens=out,
-                     application=application, note=note if inp is not None else (note or "no usage reported"),
-                     request_id=getattr(request, "request_id", ""))
-    if inp is not None:
-        try:
-            ratelimit.add_tokens(checks, inp + out)
-        except RedisError:
-            log.warning("tokens of request %s not added to the rate-limit window (Redis unavailable)", uid)
+    meterwriter.meter(svc.usage_of(uid=uid, key=key, service=service, endpoint=endpoint, input_tokens=inp,
+                                   output_tokens=out, application=application, note=note,
+                                   request_id=getattr(request, "request_id", "")), checks)
 
 
 def _proxy(request, caller: svc.Caller, service: ModelService, body: dict, endpoint: str, path: str, *,
@@ -365,11 +361,10 @@ class MeteredResponse(JsonResponse):
     """An answer that meters its request when the WSGI server closes it.
 
     The server calls close() after the last byte is written (PEP 3333; gunicorn, uWSGI and
-    wsgiref all do, also when writing failed), so the metering write - a PostgreSQL statement
-    and a Redis pipeline - is no longer between the model server's answer and the client. It
-    still runs exactly once per answered request, on the request's thread and database
-    connection, before Django's request_finished clean-up. A failure to meter is logged with
-    the request's id (Django's close() would swallow it)."""
+    wsgiref all do, also when writing failed), so metering is never between the model
+    server's answer and the client. close() hands the request, once, to the process's
+    metering writer (serving.meterwriter), which writes it exactly once. A failure to meter
+    is logged with the request's id (Django's close() would swallow it)."""
 
     def __init__(self, data, *, uid, meter):
         super().__init__(data)

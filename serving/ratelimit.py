@@ -77,16 +77,23 @@ def check(limits: list[Limit], now: float | None = None) -> Refusal | None:
     return None
 
 
-def add_tokens(limits: list[Limit], tokens: int, now: float | None = None) -> None:
-    limits = [lim for lim in limits if lim.tokens_per_minute is not None]
-    if not limits or tokens <= 0:
+def add_tokens_many(spent: list[tuple[list[Limit], int]], now: float | None = None) -> None:
+    """Add each request's tokens to the minute's counters of its limits, in one pipeline."""
+    totals: dict[str, int] = {}
+    for limits, tokens in spent:
+        if tokens <= 0:
+            continue
+        for lim in limits:
+            if lim.tokens_per_minute is not None:
+                k = f"{NAMESPACE}:tok:{lim.scope}:{lim.ident}"
+                totals[k] = totals.get(k, 0) + tokens
+    if not totals:
         return
     minute, _ = _window(time.time() if now is None else now)
     pipe = client().pipeline(transaction=False)
-    for lim in limits:
-        k = f"{NAMESPACE}:tok:{lim.scope}:{lim.ident}:{minute}"
-        pipe.incrby(k, tokens)
-        pipe.expire(k, WINDOW * 2)
+    for k, tokens in totals.items():
+        pipe.incrby(f"{k}:{minute}", tokens)
+        pipe.expire(f"{k}:{minute}", WINDOW * 2)
     pipe.execute()
 
 

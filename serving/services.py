@@ -613,51 +613,116 @@ def raise_budget_alarm(key: ApiKey, used: int, budget: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Usage:
+    """One answered gateway request, as it is metered (`usage_of` builds it at the request)."""
+
+    uid: uuid.UUID  # the gateway's own id of the request: the idempotency key
+    time: dt.datetime
+    tenant_id: int
+    project_id: int
+    key_id: int
+    key_prefix: str
+    service_id: int
+    service_slug: str
+    base_model: str
+    application_id: int | None
+    endpoint: str
+    input_tokens: int
+    output_tokens: int
+    metered: bool  # False: the upstream reported no usage (recorded as unmetered, never guessed)
+    note: str
+    request_id: str
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+def usage_of(*, uid: uuid.UUID, key: ApiKey, service: ModelService, endpoint: str, input_tokens: int | None,
+             output_tokens: int | None, application: Application | None = None, note: str = "",
+             request_id: str = "") -> Usage:
+    """The usage of one answered request. With no usage reported (`input_tokens is None`) it is
+    unmetered: zero tokens and metered=False, a count is never guessed."""
+    metered = input_tokens is not None and output_tokens is not None
+    return Usage(uid=uid, time=timezone.now(), tenant_id=key.tenant_id, project_id=key.project_id, key_id=key.pk,
+                 key_prefix=key.prefix, service_id=service.pk, service_slug=service.slug,
+                 base_model=service.base_model, application_id=application.pk if application else None,
+                 endpoint=endpoint, input_tokens=max(0, int(input_tokens or 0)) if metered else 0,
+                 output_tokens=max(0, int(output_tokens or 0)) if metered else 0, metered=metered,
+                 note=(note if metered else (note or "no usage reported"))[:200], request_id=request_id[:64])
+
+
 def record_usage(*, uid: uuid.UUID, key: ApiKey, service: ModelService, endpoint: str, input_tokens: int | None,
                  output_tokens: int | None, application: Application | None = None, note: str = "",
                  request_id: str = "") -> bool:
-    """Meter one successful gateway request exactly once (uid is the idempotency key).
+    """Meter one answered gateway request now, exactly once; False when its uid was already recorded."""
+    usage = usage_of(uid=uid, key=key, service=service, endpoint=endpoint, input_tokens=input_tokens,
+                     output_tokens=output_tokens, application=application, note=note, request_id=request_id)
+    return bool(record_usages([usage]))
 
-    With no usage reported (`input_tokens is None`) the request is recorded as unmetered; a
-    count is never guessed. Returns False when this uid was already recorded. On PostgreSQL the
-    request row and the hourly rollup are written by one prepared statement: the rollup is
-    added to only when the request row was inserted, so a repeated uid changes nothing.
+
+def record_usages(usages: list[Usage]) -> set[uuid.UUID]:
+    """Meter answered gateway requests exactly once each; returns the uids recorded by this call
+    (a uid already recorded is skipped, so a batch may be written again after a lost commit).
+
+    On PostgreSQL one prepared statement, whatever the number of requests: their rows are
+    inserted from arrays, and the hourly rollup is added to from the rows this statement
+    inserted, one upsert per (hour, key, service) of the batch. So concurrent requests of one
+    key written together take that rollup row's lock once, not once each.
     """
-    metered = input_tokens is not None and output_tokens is not None
-    inp = max(0, int(input_tokens or 0))
-    out = max(0, int(output_tokens or 0))
-    now = timezone.now()
-    values = {"uid": uid, "time": now, "tenant": key.tenant_id, "project": key.project_id, "key": key.pk,
-              "service": service.pk, "application": application.pk if application else None, "endpoint": endpoint,
-              "inp": inp, "out": out, "metered": metered, "note": note[:200], "request_id": request_id[:64],
-              "hour": hour_of(now), "base_model": service.base_model}
+    usages = list({u.uid: u for u in reversed(usages)}.values())[::-1]  # a uid twice in one batch: once
+    if not usages:
+        return set()
     if connection.vendor == "postgresql":
-        recorded = _METER.fetchone(values) is not None
-    else:  # SQLite (development): no data-modifying CTE; the same two writes in one transaction
-        for name, field in (("uid", GatewayRequest._meta.get_field("uid")), ("time", GatewayRequest._meta.get_field("time")),
-                            ("hour", TokenUsage._meta.get_field("hour"))):
-            values[name] = field.get_db_prep_value(values[name], connection)  # as the ORM stores them
-        try:
-            with transaction.atomic(), connection.cursor() as cur:
-                # nosemgrep: atrium-raw-sql-string-formatting -- table names from model metadata, values are parameters
-                cur.execute(_request_insert_sql(), values)
-                rollup = _rollup_upsert_sql("VALUES (%(hour)s, %(tenant)s, %(project)s, %(key)s, %(service)s, "
-                                            "%(base_model)s, 1, %(inp)s, %(out)s, %(unmetered)s)")
-                # nosemgrep: atrium-raw-sql-string-formatting -- table names from model metadata, values are parameters
-                cur.execute(rollup, {**values, "unmetered": 0 if metered else 1})
-            recorded = True
-        except IntegrityError:
-            recorded = False
-    if recorded and not metered:
-        log.warning("gateway request %s on %s (key %s) finished without usage from the upstream: recorded unmetered",
-                    uid, service.slug, key.prefix)
+        recorded = {row[0] for row in _METER.fetchall({
+            "uid": [u.uid for u in usages], "time": [u.time for u in usages],
+            "hour": [hour_of(u.time) for u in usages], "tenant": [u.tenant_id for u in usages],
+            "project": [u.project_id for u in usages], "key": [u.key_id for u in usages],
+            "service": [u.service_id for u in usages], "application": [u.application_id for u in usages],
+            "base_model": [u.base_model for u in usages], "endpoint": [u.endpoint for u in usages],
+            "inp": [u.input_tokens for u in usages], "out": [u.output_tokens for u in usages],
+            "metered": [u.metered for u in usages], "note": [u.note for u in usages],
+            "request_id": [u.request_id for u in usages]})}
+    else:  # SQLite (development): no data-modifying CTE; the same two writes per request, each atomic
+        recorded = {u.uid for u in usages if _record_one_sqlite(u)}
+    for u in usages:
+        if u.uid in recorded and not u.metered:
+            log.warning("gateway request %s on %s (key %s) finished without usage from the upstream: recorded "
+                        "unmetered", u.uid, u.service_slug, u.key_prefix)
     return recorded
+
+
+def _record_one_sqlite(u: Usage) -> bool:
+    values = {"uid": u.uid, "time": u.time, "tenant": u.tenant_id, "project": u.project_id, "key": u.key_id,
+              "service": u.service_id, "application": u.application_id, "endpoint": u.endpoint,
+              "inp": u.input_tokens, "out": u.output_tokens, "metered": u.metered, "note": u.note,
+              "request_id": u.request_id, "hour": hour_of(u.time), "base_model": u.base_model,
+              "unmetered": 0 if u.metered else 1}
+    for name, field in (("uid", GatewayRequest._meta.get_field("uid")), ("time", GatewayRequest._meta.get_field("time")),
+                        ("hour", TokenUsage._meta.get_field("hour"))):
+        values[name] = field.get_db_prep_value(values[name], connection)  # as the ORM stores them
+    try:
+        with transaction.atomic(), connection.cursor() as cur:
+            # nosemgrep: atrium-raw-sql-string-formatting -- table names from model metadata, values are parameters
+            cur.execute(_request_insert_sql(), values)
+            rollup = _rollup_upsert_sql("VALUES (%(hour)s, %(tenant)s, %(project)s, %(key)s, %(service)s, "
+                                        "%(base_model)s, 1, %(inp)s, %(out)s, %(unmetered)s)")
+            # nosemgrep: atrium-raw-sql-string-formatting -- table names from model metadata, values are parameters
+            cur.execute(rollup, values)
+    except IntegrityError:
+        return False
+    return True
+
+
+def _request_columns() -> str:
+    return ("uid, time, tenant_id, project_id, api_key_id, service_id, application_id, endpoint, input_tokens, "
+            "output_tokens, metered, note, request_id")
 
 
 def _request_insert_sql() -> str:
     return (
-        f"INSERT INTO {GatewayRequest._meta.db_table} (uid, time, tenant_id, project_id, api_key_id, service_id, "  # noqa: S608 # nosec B608 # table name from model metadata, values are parameters
-        "application_id, endpoint, input_tokens, output_tokens, metered, note, request_id) VALUES (%(uid)s, %(time)s, "
+        f"INSERT INTO {GatewayRequest._meta.db_table} ({_request_columns()}) VALUES (%(uid)s, %(time)s, "  # noqa: S608 # nosec B608 # table name from model metadata, values are parameters
         "%(tenant)s, %(project)s, %(key)s, %(service)s, %(application)s, %(endpoint)s, %(inp)s, %(out)s, %(metered)s, "
         "%(note)s, %(request_id)s)"
     )
@@ -670,7 +735,7 @@ def _rollup_upsert_sql(rows: str) -> str:
         f"INSERT INTO {table} (hour, tenant_id, project_id, api_key_id, service_id, base_model, requests, "  # noqa: S608 # nosec B608 # table name from model metadata, values are parameters
         f"input_tokens, output_tokens, unmetered_requests) {rows} "
         "ON CONFLICT (hour, api_key_id, service_id) DO UPDATE SET "
-        f"requests = {table}.requests + 1, "
+        f"requests = {table}.requests + EXCLUDED.requests, "
         f"input_tokens = {table}.input_tokens + EXCLUDED.input_tokens, "
         f"output_tokens = {table}.output_tokens + EXCLUDED.output_tokens, "
         f"unmetered_requests = {table}.unmetered_requests + EXCLUDED.unmetered_requests"
@@ -678,14 +743,25 @@ def _rollup_upsert_sql(rows: str) -> str:
 
 
 def _meter_sql() -> str:
-    # One statement, one implicit transaction: the request row is inserted unless its uid is
-    # already there (a retry), and the rollup reads only the row this statement inserted.
+    # One statement, one implicit transaction: the request rows are inserted unless their uid is
+    # already there (a retry), and the rollup adds up only the rows this statement inserted,
+    # grouped so that no rollup row is upserted twice by it. The arrays keep the statement the
+    # same for any number of requests, so it is prepared once per connection.
     return (
-        f"WITH req AS ({_request_insert_sql()} ON CONFLICT (uid) DO NOTHING "  # noqa: S608 # nosec B608 # table names from model metadata, values are parameters
-        "RETURNING tenant_id, project_id, api_key_id, service_id, input_tokens, output_tokens, metered) "
-        + _rollup_upsert_sql("SELECT %(hour)s, tenant_id, project_id, api_key_id, service_id, %(base_model)s, 1, "
-                             "input_tokens, output_tokens, CASE WHEN metered THEN 0 ELSE 1 END FROM req")
-        + " RETURNING 1"
+        f"WITH req AS (INSERT INTO {GatewayRequest._meta.db_table} ({_request_columns()}) "  # noqa: S608 # nosec B608 # table names from model metadata, values are parameters
+        "SELECT * FROM unnest(%(uid)s::uuid[], %(time)s::timestamptz[], %(tenant)s::bigint[], %(project)s::bigint[], "
+        "%(key)s::bigint[], %(service)s::bigint[], %(application)s::bigint[], %(endpoint)s::text[], %(inp)s::int[], "
+        "%(out)s::int[], %(metered)s::boolean[], %(note)s::text[], %(request_id)s::text[]) "
+        "ON CONFLICT (uid) DO NOTHING "
+        "RETURNING uid, tenant_id, project_id, api_key_id, service_id, input_tokens, output_tokens, metered), "
+        "hours AS (SELECT * FROM unnest(%(uid)s::uuid[], %(hour)s::timestamptz[], %(base_model)s::text[]) "
+        "AS h(uid, hour, base_model)), "
+        "rollup AS ("
+        + _rollup_upsert_sql("SELECT h.hour, max(req.tenant_id), max(req.project_id), req.api_key_id, req.service_id, "
+                             "max(h.base_model), count(*), sum(req.input_tokens), sum(req.output_tokens), "
+                             "count(*) FILTER (WHERE NOT req.metered) FROM req JOIN hours h USING (uid) "
+                             "GROUP BY h.hour, req.api_key_id, req.service_id")
+        + ") SELECT uid FROM req"
     )
 
 
