@@ -6,9 +6,10 @@ CPUs of this machine), both on loopback, prepares
 one tenant/project/published service/API key through the real services, then, for every
 scenario (clients x upstream latency), sends the same load straight to the upstream and
 through the gateway, back to back: same generator, same concurrency, same duration, one run
-each, after a warm-up of each (--repeat N: N such pairs, the median reported). Prints p50/p99 latency and requests/s of both, the latency the
-gateway adds, and the CPU each side spent per request (gunicorn's processes and their
-PostgreSQL backends, read from /proc); writes JSON to bench/results/gateway.json.
+each, after a warm-up of each (--repeat N: N such pairs, the median reported). Prints p50/p99
+latency and requests/s of both, the latency the gateway adds, and the CPU each side spent per
+request (gunicorn's processes and their PostgreSQL backends, read from /proc); writes JSON to
+bench/results/gateway.json.
 
 The load generator is `wrk` (C, one thread, keep-alive connections; `apt-get install wrk`) so
 that on a 2-core machine it does not eat the CPU the gateway needs; without wrk the fallback is
