@@ -363,7 +363,8 @@ class MeteredResponse(JsonResponse):
     The server calls close() after the last byte is written (PEP 3333; gunicorn, uWSGI and
     wsgiref all do, also when writing failed), so metering is never between the model
     server's answer and the client. close() hands the request, once, to the process's
-    metering writer (serving.meterwriter), which writes it exactly once. A failure to meter
+    metering writer (serving.meterwriter), which writes it exactly once (inside a caller's
+    transaction it is written right there, on the caller's connection). A failure to meter
     is logged with the request's id (Django's close() would swallow it)."""
 
     def __init__(self, data, *, uid, meter):

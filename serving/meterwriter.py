@@ -86,7 +86,9 @@ class MeterWriter:
         self._writing = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stop_requested = threading.Event()
         self._deadline = 0.0
+        self._batch: list[Job] = []  # being written
         self.batches = 0  # statements written by the thread (for tests and diagnostics)
 
     def after_fork(self) -> None:
@@ -97,6 +99,7 @@ class MeterWriter:
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
+                self._stop_requested.clear()
                 self._thread = threading.Thread(target=self._run, name="atrium-meter-writer", daemon=True)
                 self._thread.start()
             self._queue.append(Job(usage, tuple(limits)))
@@ -118,18 +121,22 @@ class MeterWriter:
         return True
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> bool:
-        """Drain the queue and end the thread; True when every submitted request was written."""
+        """Drain the queue and end the thread; True when every submitted request was written.
+        A second call after one that ran out of time gives up at once (worker_exit, then atexit)."""
         with self._cond:
             thread = self._thread
             if thread is None:
                 return True
+            if self._stopping and time.monotonic() >= self._deadline:
+                return False
             self._stopping = True
             self._deadline = time.monotonic() + timeout
+            self._stop_requested.set()
             self._cond.notify_all()
         thread.join(timeout + 1.0)
         with self._cond:
-            left = [job.usage.uid for job in self._queue]
-            if not thread.is_alive():
+            left = [job.usage.uid for job in self._batch + list(self._queue)]
+            if self._thread is thread and not thread.is_alive():
                 self._thread = None
         if left or thread.is_alive():
             log.error("gateway stopping: %d answered requests not metered (uids %s)", len(left),
@@ -146,13 +153,15 @@ class MeterWriter:
                     if not self._queue:
                         return  # stopping, and everything was written
                     batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch))]
-                    self._writing = len(batch)
+                    self._writing, self._batch = len(batch), batch
+                if connection.close_at is not None and time.monotonic() >= connection.close_at:
+                    connection.close()  # DATABASE_CONN_MAX_AGE, as at the end of a request
                 try:
                     self._write(batch)
                 finally:
                     with self._cond:
                         self.batches += 1
-                        self._writing = 0
+                        self._writing, self._batch = 0, []
                         self._cond.notify_all()
         finally:
             connection.close()  # this thread's own connection
@@ -171,7 +180,10 @@ class MeterWriter:
                     return
                 log.warning("metering %d gateway requests failed (%s); writing them again in %.2f s", len(batch),
                             type(exc).__name__, delay)
-                time.sleep(delay)
+                if self._stopping:  # keep trying until the stop's deadline, not past it
+                    time.sleep(max(0.0, min(delay, self._deadline - time.monotonic())))
+                else:  # a stop() cuts the wait short
+                    self._stop_requested.wait(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
             except DatabaseError:
                 if len(batch) > 1:  # find the one that cannot be written; write the others

@@ -745,8 +745,10 @@ def _rollup_upsert_sql(rows: str) -> str:
 def _meter_sql() -> str:
     # One statement, one implicit transaction: the request rows are inserted unless their uid is
     # already there (a retry), and the rollup adds up only the rows this statement inserted,
-    # grouped so that no rollup row is upserted twice by it. The arrays keep the statement the
-    # same for any number of requests, so it is prepared once per connection.
+    # grouped so that no rollup row is upserted twice by it, and in one order, so that two
+    # processes' batches over the same rows wait for each other instead of deadlocking. The
+    # arrays keep the statement the same for any number of requests: it is prepared once per
+    # connection and array types (psycopg sends small integers as int2[], larger as int4[]).
     return (
         f"WITH req AS (INSERT INTO {GatewayRequest._meta.db_table} ({_request_columns()}) "  # noqa: S608 # nosec B608 # table names from model metadata, values are parameters
         "SELECT * FROM unnest(%(uid)s::uuid[], %(time)s::timestamptz[], %(tenant)s::bigint[], %(project)s::bigint[], "
@@ -760,7 +762,8 @@ def _meter_sql() -> str:
         + _rollup_upsert_sql("SELECT h.hour, max(req.tenant_id), max(req.project_id), req.api_key_id, req.service_id, "
                              "max(h.base_model), count(*), sum(req.input_tokens), sum(req.output_tokens), "
                              "count(*) FILTER (WHERE NOT req.metered) FROM req JOIN hours h USING (uid) "
-                             "GROUP BY h.hour, req.api_key_id, req.service_id")
+                             "GROUP BY h.hour, req.api_key_id, req.service_id "
+                             "ORDER BY h.hour, req.api_key_id, req.service_id")
         + ") SELECT uid FROM req"
     )
 
