@@ -61,12 +61,9 @@ class Job:
 def record(batch: list[Job]) -> set:
     """Write a batch now, on the caller's connection; add the recorded tokens to the rate
     limits. Returns the uids recorded (a repeated uid is not). Database errors propagate."""
-    recorded = svc.record_usages([job.usage for job in batch])
-    spent, seen = [], set()
-    for job in batch:  # a uid twice in one batch was recorded once: its tokens count once
-        if job.usage.uid in recorded and job.usage.uid not in seen:
-            seen.add(job.usage.uid)
-            spent.append((list(job.limits), job.usage.tokens))
+    jobs = {job.usage.uid: job for job in batch}.values()  # a uid twice in one batch counts once
+    recorded = svc.record_usages([job.usage for job in jobs])
+    spent = [(list(job.limits), job.usage.tokens) for job in jobs if job.usage.uid in recorded]
     try:
         ratelimit.add_tokens_many(spent)
     except RedisError:

@@ -653,15 +653,6 @@ def usage_of(*, uid: uuid.UUID, key: ApiKey, service: ModelService, endpoint: st
                  note=(note if metered else (note or "no usage reported"))[:200], request_id=request_id[:64])
 
 
-def record_usage(*, uid: uuid.UUID, key: ApiKey, service: ModelService, endpoint: str, input_tokens: int | None,
-                 output_tokens: int | None, application: Application | None = None, note: str = "",
-                 request_id: str = "") -> bool:
-    """Meter one answered gateway request now, exactly once; False when its uid was already recorded."""
-    usage = usage_of(uid=uid, key=key, service=service, endpoint=endpoint, input_tokens=input_tokens,
-                     output_tokens=output_tokens, application=application, note=note, request_id=request_id)
-    return bool(record_usages([usage]))
-
-
 def record_usages(usages: list[Usage]) -> set[uuid.UUID]:
     """Meter answered gateway requests exactly once each; returns the uids recorded by this call
     (a uid already recorded is skipped, so a batch may be written again after a lost commit).
@@ -671,7 +662,8 @@ def record_usages(usages: list[Usage]) -> set[uuid.UUID]:
     inserted, one upsert per (hour, key, service) of the batch. So concurrent requests of one
     key written together take that rollup row's lock once, not once each.
     """
-    usages = list({u.uid: u for u in reversed(usages)}.values())[::-1]  # a uid twice in one batch: once
+    seen: set[uuid.UUID] = set()
+    usages = [u for u in usages if u.uid not in seen and not seen.add(u.uid)]  # a uid twice in one batch: once
     if not usages:
         return set()
     if connection.vendor == "postgresql":

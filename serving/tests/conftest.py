@@ -3,7 +3,9 @@ two-tenant serving world (same service name and same distinctive word in both te
 
 from __future__ import annotations
 
+import psycopg
 import pytest
+from django.db import connection
 
 from serving import ratelimit, upstream
 from serving import services as svc
@@ -82,3 +84,10 @@ def chat_body(text: str = "hello there world", model: str = "chat", **extra) -> 
 
 def bearer(secret: str) -> dict:
     return {"HTTP_AUTHORIZATION": f"Bearer {secret}"}
+
+
+def admin_connection() -> psycopg.Connection:
+    """A second session on the test database, beside Django's (autocommit)."""
+    params = connection.get_connection_params()
+    return psycopg.connect(**{k: v for k, v in params.items() if k in ("host", "port", "user", "password", "dbname")},
+                           autocommit=True)

@@ -11,7 +11,6 @@ import json
 import uuid
 from contextlib import contextmanager
 
-import psycopg
 import pytest
 from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
@@ -21,7 +20,7 @@ from django.test.utils import CaptureQueriesContext
 from serving import services as svc
 from serving.gateway import MeteredResponse
 from serving.models import GatewayRequest, TokenUsage
-from serving.tests.conftest import bearer, chat_body
+from serving.tests.conftest import admin_connection, bearer, chat_body
 
 
 def post(client, secret, body, **extra):
@@ -61,13 +60,19 @@ def test_an_unknown_v1_path_goes_through_the_whole_chain(world, client):
     assert resp["Content-Security-Policy"] != "default-src 'none'; frame-ancestors 'none'"  # the site's own policy
 
 
+def meter_now(**usage) -> bool:
+    """Meter one request on this connection, now; True when it was recorded by this call."""
+    u = svc.usage_of(**usage)
+    return svc.record_usages([u]) == {u.uid}
+
+
 def test_metering_statement_counts_a_repeated_uid_once(world):
     w = world
     key, service = w.key["alpha"], w.service["alpha"]
     uid = uuid.uuid4()
-    assert svc.record_usage(uid=uid, key=key, service=service, endpoint="chat", input_tokens=5, output_tokens=7)
-    assert not svc.record_usage(uid=uid, key=key, service=service, endpoint="chat", input_tokens=5, output_tokens=7)
-    assert svc.record_usage(uid=uuid.uuid4(), key=key, service=service, endpoint="chat", input_tokens=None,
+    assert meter_now(uid=uid, key=key, service=service, endpoint="chat", input_tokens=5, output_tokens=7)
+    assert not meter_now(uid=uid, key=key, service=service, endpoint="chat", input_tokens=5, output_tokens=7)
+    assert meter_now(uid=uuid.uuid4(), key=key, service=service, endpoint="chat", input_tokens=None,
                             output_tokens=None, note="no usage")
     row = TokenUsage.objects.get(api_key=key, service=service)
     assert (row.requests, row.input_tokens, row.output_tokens, row.unmetered_requests) == (2, 5, 7, 1)
@@ -83,14 +88,12 @@ def test_key_check_reconnects_when_the_server_dropped_the_connection(world):
     assert svc.authenticate_key(w.secret["alpha"], service="chat").service_in_scope
     old_pid = connection.connection.info.backend_pid
     connection.health_check_done = False  # as at the start of each request (django.db.close_old_connections)
-    params = connection.get_connection_params()
-    with psycopg.connect(**{k: v for k, v in params.items() if k in ("host", "port", "user", "password", "dbname")},
-                         autocommit=True) as admin:
+    with admin_connection() as admin:
         assert admin.execute("SELECT pg_terminate_backend(%s)", [old_pid]).fetchone()[0]
     caller = svc.authenticate_key(w.secret["alpha"], service="chat")
     assert caller.service == w.service["alpha"] and caller.service_in_scope
     assert connection.connection.info.backend_pid != old_pid
-    assert svc.record_usage(uid=uuid.uuid4(), key=caller.key, service=caller.service, endpoint="chat",
+    assert meter_now(uid=uuid.uuid4(), key=caller.key, service=caller.service, endpoint="chat",
                             input_tokens=1, output_tokens=1)
 
 
@@ -102,7 +105,7 @@ def test_statements_are_prepared_again_on_a_new_connection(world):
     connection.close()  # a new session: its prepared statements are gone
     caller = svc.authenticate_key(w.secret["alpha"], service="chat")
     assert caller.service == service and caller.key == key and caller.month_tokens is None
-    assert svc.record_usage(uid=uuid.uuid4(), key=key, service=service, endpoint="chat", input_tokens=1,
+    assert meter_now(uid=uuid.uuid4(), key=key, service=service, endpoint="chat", input_tokens=1,
                             output_tokens=2)
     with connection.cursor() as cur:
         cur.execute("SELECT statement FROM pg_prepared_statements")

@@ -17,31 +17,25 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-import psycopg
 import pytest
 import requests
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from portal.tests.test_faults import _get_status, free_port, wait_for
 from serving import meterwriter, ratelimit
 from serving import services as svc
 from serving.models import GatewayRequest, TokenUsage
-from serving.tests.conftest import chat_body
+from serving.tests.conftest import admin_connection, chat_body
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _admin_conn():
-    params = connection.get_connection_params()
-    return psycopg.connect(**{k: v for k, v in params.items() if k in ("host", "port", "user", "password", "dbname")},
-                           autocommit=True)
 
 
 @contextmanager
 def rollup_row_locked(key, service):
     """Another session holds the lock of the key's hourly rollup rows until the block ends."""
-    with _admin_conn() as other:
+    with admin_connection() as other:
         other.autocommit = False
         rows = other.execute(f"SELECT id FROM {TokenUsage._meta.db_table} WHERE api_key_id = %s AND service_id = %s "  # noqa: S608 # nosec B608 # table name from model metadata
                              "FOR UPDATE", [key.pk, service.pk]).fetchall()
@@ -50,15 +44,6 @@ def rollup_row_locked(key, service):
             yield
         finally:
             other.rollback()
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 HALF_PAST = timezone.now().replace(minute=30, second=0, microsecond=0)  # one hour for every usage here
@@ -90,7 +75,7 @@ def test_requests_answered_while_a_write_waits_are_written_together_exactly_once
         usages = [_usage(key, service, n) for n in range(1, 61)]
         with rollup_row_locked(key, service):
             writer.submit(usages[0], limits)  # its statement now waits for the lock
-            wait_for(lambda: writer.pending() == 1 and not writer._queue, what="the writer to be blocked")
+            wait_for(lambda: writer.pending() == 1 and not writer._queue, 10, what="the writer to be blocked")
             with ThreadPoolExecutor(10) as pool:  # requests of many threads, and a retried uid among them
                 list(pool.map(lambda u: writer.submit(u, limits), usages[1:] + usages[5:10]))
             assert writer.pending() == 1 + 59 + 5
@@ -114,12 +99,12 @@ def test_a_dropped_connection_loses_nothing_and_counts_nothing_twice(world, capl
     key, service = w.key["alpha"], w.service["alpha"]
     sessions = ("SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
                 "AND backend_type = 'client backend'")
-    with _admin_conn() as admin:
+    with admin_connection() as admin:
         before = {r[0] for r in admin.execute(sessions)}
     try:
         writer.submit(_usage(key, service, 1))
         assert writer.flush()
-        with _admin_conn() as admin:
+        with admin_connection() as admin:
             new = {r[0] for r in admin.execute(sessions)} - before
             assert len(new) == 1, new  # the writer's own connection
             admin.execute("SELECT pg_terminate_backend(%s)", [new.pop()])
@@ -151,7 +136,7 @@ def test_a_request_that_cannot_be_written_does_not_hold_back_the_others(world, c
         assert writer.flush()
         with rollup_row_locked(key, service), caplog.at_level("ERROR", logger="atrium.gateway"):
             writer.submit(good[0])
-            wait_for(lambda: not writer._queue, what="the writer to be blocked")
+            wait_for(lambda: not writer._queue, 10, what="the writer to be blocked")
             for u in [good[1], bad, *good[2:]]:  # to be written as one batch, which fails
                 writer.submit(u)
         assert writer.flush()
@@ -170,7 +155,7 @@ def test_gunicorn_stopping_drains_the_writer_while_its_write_is_blocked(world):
     clear_of_the_hour()
     key, service = w.key["alpha"], w.service["alpha"]
     db = connection.settings_dict
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/"
                                          f"{db['NAME']}",
            "REDIS_URL": settings.REDIS_URL, "DEBUG": "0", "SECURE_SSL_REDIRECT": "0", "LOG_LEVEL": "WARNING",
@@ -181,10 +166,10 @@ def test_gunicorn_stopping_drains_the_writer_while_its_write_is_blocked(world):
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     headers = {"Authorization": f"Bearer {w.secret['alpha']}"}
     try:
-        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), 60, what="gunicorn to answer")
+        wait_for(lambda: _get_status(f"http://127.0.0.1:{port}/healthz") == 200, 60, what="gunicorn to answer")
         first = requests.post(url, json=chat_body("first"), headers=headers, timeout=30)
         assert first.status_code == 200
-        wait_for(lambda: TokenUsage.objects.filter(api_key=key).exists(), what="the first request to be metered")
+        wait_for(lambda: TokenUsage.objects.filter(api_key=key).exists(), 10, what="the first request to be metered")
         with rollup_row_locked(key, service):
             with ThreadPoolExecutor(8) as pool:
                 answers = list(pool.map(lambda i: requests.post(url, json=chat_body(f"question {i}"),
@@ -208,21 +193,6 @@ def test_gunicorn_stopping_drains_the_writer_while_its_write_is_blocked(world):
     assert row.input_tokens == sum(a.json()["usage"]["prompt_tokens"] for a in everything)
     assert row.output_tokens == sum(a.json()["usage"]["completion_tokens"] for a in everything)
     assert "not metered" not in web.stderr.read()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _answers(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=1).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def test_inside_a_transaction_the_request_is_metered_on_its_own_connection(world):
