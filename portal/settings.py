@@ -301,6 +301,8 @@ ATRIUM_PLACEMENT_POLICY = env.str("ATRIUM_PLACEMENT_POLICY", default="fgd-cpu")
 # Only the concurrency test turns this off, to show that it can catch over-admission.
 ATRIUM_CYCLE_LOCK = True
 ATRIUM_CURRENCY = env.str("ATRIUM_CURRENCY", default="EUR")
+# The gateway's metering writer lets answered requests gather this long between two writes (serving/meterwriter.py).
+ATRIUM_METER_GATHER_MS = env.int("ATRIUM_METER_GATHER_MS", default=50)
 
 # --- Content Security Policy: no inline script anywhere; plotly needs inline style attributes ---
 CONTENT_SECURITY_POLICY = {
