@@ -70,9 +70,11 @@ def record(batch: list[Job]) -> set:
     limits. Returns the uids recorded (a repeated uid is not). Database errors propagate."""
     jobs = {job.usage.uid: job for job in batch}.values()  # a uid twice in one batch counts once
     recorded = svc.record_usages([job.usage for job in jobs])
-    spent = [(list(job.limits), job.usage.tokens) for job in jobs if job.usage.uid in recorded]
+    done = [job for job in jobs if job.usage.uid in recorded]
+    spent = [(list(job.limits), job.usage.tokens) for job in done]
+    months = [(job.usage.project_id, svc.month_start(job.usage.time), job.usage.tokens) for job in done]
     try:
-        ratelimit.add_tokens_many(spent)
+        ratelimit.add_tokens_many(spent, months=months)
     except RedisError:
         log.warning("tokens of %d metered requests not added to the rate-limit windows (Redis unavailable)",
                     len(spent))

@@ -10,6 +10,7 @@ never stores or logs an API key's secret, and never guesses token counts.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import logging
@@ -28,7 +29,7 @@ from portal import audit
 from portal.prepared import Statement, from_row, select_columns
 from portal.services import deny
 from scheduling import services as scheduling
-from serving import ingest
+from serving import authcache, ingest, ratelimit
 from serving import keys as keymat
 from serving.models import (
     ApiKey,
@@ -456,6 +457,7 @@ class Caller:
     service: ModelService | None = None  # the service the request named, if the key's tenant has one by that name
     service_in_scope: bool = False  # the key's scope lists that service
     month_tokens: int | None = None  # the project's gateway tokens this month (only read when it has a budget)
+    ticket: authcache.Ticket | None = None  # read from serving.authcache: to be validated by the admission script
 
 
 def _key_check_sql() -> str:
@@ -484,20 +486,36 @@ def _key_check_sql() -> str:
 _KEY_CHECK = Statement(_key_check_sql)
 
 
-def authenticate_key(raw: str, *, service: str | None = None) -> Caller:
-    """The usable key for a presented secret, checked fresh at every request: revoked, expired,
-    project archived, tenant suspended and the creator's lost membership all stop it here.
+def authenticate_key(raw: str, *, service: str | None = None, cache: bool = False, refresh: bool = False) -> Caller:
+    """The usable key for a presented secret: revoked, expired, project archived, tenant
+    suspended and the creator's lost membership all stop it here.
 
     One prepared statement reads the key, its project, tenant and limits, the creator's
     permission on the project, the service named `service` in the key's tenant with the key's
-    scope on it, and (for a project with a budget) its tokens this month. Nothing is cached
-    between requests: a change committed before a request starts is what that request sees.
+    scope on it, and (for a project with a budget) its tokens this month.
+
+    With `cache`, a check made by this process under the current generation is answered from
+    memory (serving.authcache) and carries a `ticket`: the caller must have it validated by
+    serving.ratelimit.admit_cached before acting on it, and start again with `refresh` (read
+    the database, whatever is cached) when it is stale. A check read from the database is
+    kept for the next requests and returned without a ticket. Without `cache`, or inside a
+    transaction, nothing is kept or taken from memory: a change committed before the request
+    started is what the request sees.
     """
     if not keymat.well_formed(raw):
         raise KeyRejected("Malformed API key.")
     digest = keymat.digest(raw)
     now = timezone.now()
-    row = _key_check_row({"digest": digest, "service": service, "month": month_start(now), "perm": USE_PERM})
+    month = month_start(now)
+    cache = cache and not connection.in_atomic_block
+    snapshot = None
+    if cache:
+        hit = None if refresh else cached_caller(digest, service, now)
+        if hit is not None:
+            return hit
+        authcache.forget(digest, service)
+        snapshot = ratelimit.snapshot(authcache.known_project(digest), month)  # before the database, see authcache
+    row = _key_check_row({"digest": digest, "service": service, "month": month, "perm": USE_PERM})
     if row is None or not keymat.digests_match(digest, row[_K.digest]):
         raise KeyRejected("Invalid API key.")
     key, project, tenant, limits, svc, creator_may_use, in_scope, month_tokens = _caller_parts(row)
@@ -515,7 +533,30 @@ def authenticate_key(raw: str, *, service: str | None = None) -> Caller:
     if key.last_used is None or now - key.last_used > LAST_USED_RESOLUTION:
         ApiKey.objects.filter(pk=key.pk).update(last_used=now)
         key.last_used = now
-    return Caller(key=key, service=svc, service_in_scope=bool(in_scope), month_tokens=month_tokens)
+    caller = Caller(key=key, service=svc, service_in_scope=bool(in_scope), month_tokens=month_tokens)
+    if snapshot is not None:
+        generation, counter = snapshot
+        counted_project = authcache.known_project(digest) == key.project_id
+        authcache.remember_project(digest, key.project_id)
+        if month_tokens is None or counted_project:  # a budget needs the counter of this key's project
+            base = None if month_tokens is None else int(month_tokens) - counter  # SUM() comes back as a Decimal
+            ticket = authcache.Ticket(generation, month, base, counter)
+            authcache.put(digest, service, dataclasses.replace(caller, ticket=ticket), ticket)
+    return caller  # read from the database just now: no ticket, nothing to validate
+
+
+def cached_caller(digest: str, service: str | None, now: dt.datetime | None = None) -> Caller | None:
+    """The caller of a key check this process made under a generation not yet known to be stale
+    (serving.authcache), carrying its ticket; None when there is none for this month or the key
+    has expired since."""
+    entry = authcache.get(digest, service)
+    if entry is None:
+        return None
+    now = now or timezone.now()
+    expires = entry.caller.key.expires
+    if entry.ticket.month != month_start(now) or (expires is not None and now >= expires):
+        return None
+    return entry.caller
 
 
 def _key_check_row(values: dict):
