@@ -1,14 +1,16 @@
 """Benchmark: gateway overhead (BENCHMARKS.md section 5).
 
-Starts the repo's OpenAI-compatible upstream (serving/upstream.py) and the portal under
-gunicorn (the repository's gunicorn.conf.py, as production runs it; two workers for the two
-CPUs of this machine), both on loopback, prepares
+Starts the repo's OpenAI-compatible upstream (serving/upstream.py) and the gateway as
+production runs it: the data plane (serving/dataplane.py, uvicorn's worker under gunicorn and
+gunicorn.conf.py), two processes for the two CPUs of this machine (--server gunicorn: the
+Django gateway alone under gunicorn, as the portal's own replicas serve /v1/), both on
+loopback, prepares
 one tenant/project/published service/API key through the real services, then, for every
 scenario (clients x upstream latency), sends the same load straight to the upstream and
 through the gateway, back to back: same generator, same concurrency, same duration, one run
 each, after a warm-up of each (--repeat N: N such pairs, the median reported). Prints p50/p99
 latency and requests/s of both, the latency the gateway adds, and the CPU each side spent per
-request (gunicorn's processes and their PostgreSQL backends, read from /proc); writes JSON to
+request (the server's processes and their PostgreSQL backends, read from /proc); writes JSON to
 bench/results/gateway.json.
 
 The load generator is `wrk` (C, one thread, keep-alive connections; `apt-get install wrk`) so
@@ -24,7 +26,7 @@ default a dedicated atrium_bench_gateway database, Redis db 13).
 
     .venv/bin/python bench/gateway.py                          # 32 clients x 0/100/500 ms, 1 client x 0/100 ms
     .venv/bin/python bench/gateway.py --scenarios 32x100,32x500 --repeat 5     # median of 5 runs each
-    .venv/bin/python bench/gateway.py --scenarios 32x0 --seconds 20 --gunicorn-args "-w 2 --threads 8"
+    .venv/bin/python bench/gateway.py --scenarios 32x100 --server gunicorn --gunicorn-args "-w 2 --threads 8"
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ def wait_settled(pids_fn, timeout: float = 180) -> None:
         time.sleep(1.0)
         if sum(_cpu_seconds(pid) for pid in pids_fn()) - before < 0.05:
             return
-    raise SystemExit("gunicorn's workers did not settle")
+    raise SystemExit("the server's workers did not settle")
 
 
 class CpuMeter:
@@ -328,7 +330,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per scenario (direct, then gateway, each time); the median added latency is reported")
     ap.add_argument("--generator", choices=("auto", "wrk", "python"), default="auto")
-    ap.add_argument("--gunicorn-args", default="-w 2", help="gunicorn flags on top of gunicorn.conf.py")
+    ap.add_argument("--server", choices=("dataplane", "gunicorn"), default="dataplane",
+                    help="the data plane (production's /v1/), or the Django gateway alone under gunicorn")
+    ap.add_argument("--workers", type=int, default=2, help="server processes")
+    ap.add_argument("--gunicorn-args", default="", help="gunicorn flags on top of gunicorn.conf.py")
     args = ap.parse_args()
     generator = args.generator
     if generator == "auto":
@@ -347,9 +352,15 @@ def main() -> None:
     up_port, gw_port = free_port(), free_port()
     procs = []
     scenarios = []
-    gunicorn_cmd = [sys.executable, "-m", "gunicorn", "portal.wsgi:application", "-b", f"127.0.0.1:{gw_port}",
-                    # the access log as the image, compose and the Kubernetes manifests run it (to stdout)
-                    "--log-level", "warning", "--access-logfile", "-", *args.gunicorn_args.split()]
+    if args.server == "gunicorn":
+        server_cmd = [sys.executable, "-m", "gunicorn", "portal.wsgi:application", "-b", f"127.0.0.1:{gw_port}",
+                      # the access log as the image, compose and the Kubernetes manifests run it (to stdout)
+                      "--log-level", "warning", "--access-logfile", "-", "-w", str(args.workers),
+                      *args.gunicorn_args.split()]
+    else:  # as deploy/k8s/gateway.yaml runs it
+        server_cmd = [sys.executable, "-m", "gunicorn", "serving.dataplane:application", "-k",
+                      "serving.dataplane_worker.Worker", "-b", f"127.0.0.1:{gw_port}", "--log-level", "warning",
+                      "-w", str(args.workers), *args.gunicorn_args.split()]
     load_before = loadavg()
     try:
         procs.append(subprocess.Popen([sys.executable, "-m", "serving.upstream", "--port", str(up_port)], cwd=ROOT,
@@ -357,11 +368,11 @@ def main() -> None:
         upstream = f"http://127.0.0.1:{up_port}/v1"
         wait_http(upstream + "/models")
         key = prepare(env, upstream)
-        procs.append(subprocess.Popen(gunicorn_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(server_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL))
         wait_http(f"http://127.0.0.1:{gw_port}/healthz")
-        gunicorn_pid, upstream_pid = procs[1].pid, procs[0].pid
-        wait_settled(lambda: [gunicorn_pid, *_children(gunicorn_pid)])
-        gateway_cpu = CpuMeter(gunicorn=lambda: [gunicorn_pid, *_children(gunicorn_pid)],
+        server_pid, upstream_pid = procs[1].pid, procs[0].pid
+        wait_settled(lambda: [server_pid, *_children(server_pid)])
+        gateway_cpu = CpuMeter(server=lambda: [server_pid, *_children(server_pid)],
                                postgres=lambda: _backend_pids(db), upstream=lambda: [upstream_pid])
         upstream_cpu = CpuMeter(upstream=lambda: [upstream_pid])
         for concurrency, latency in _scenarios(args.scenarios):
@@ -383,8 +394,8 @@ def main() -> None:
                 print(f"{concurrency:>3} clients, upstream {latency:>3} ms (load {la:.2f}): "
                       f"direct p50 {direct['p50_ms']:.2f} p99 {direct['p99_ms']:.2f} ms {direct['rps']:.0f} req/s | "
                       f"gateway p50 {gateway['p50_ms']:.2f} p99 {gateway['p99_ms']:.2f} ms {gateway['rps']:.0f} "
-                      f"req/s ({gateway['errors']} errors; CPU ms/req: gunicorn "
-                      f"{gateway['cpu_ms_per_request']['gunicorn']:.2f}, postgres "
+                      f"req/s ({gateway['errors']} errors; CPU ms/req: {args.server} "
+                      f"{gateway['cpu_ms_per_request']['server']:.2f}, postgres "
                       f"{gateway['cpu_ms_per_request']['postgres']:.2f}) | "
                       f"added p50 {added['p50_ms']:.2f} p99 {added['p99_ms']:.2f} ms", flush=True)
             # each run is a direct and a gateway run back to back; with --repeat the median run
@@ -406,9 +417,9 @@ def main() -> None:
     result = {
         "benchmark": "gateway overhead (BENCHMARKS.md section 5)",
         "generator": generator, "seconds": args.seconds, "warmup": args.warmup, "repeat": args.repeat,
-        "gunicorn": " ".join(gunicorn_cmd[3:]), "scenarios": scenarios,
+        "server": " ".join(server_cmd[3:]), "scenarios": scenarios,
         "target_added_at_32_clients": TARGET, "litellm_published_overhead": LITELLM,
-        "cpu_note": "cpu_ms_per_request: CPU time of gunicorn's processes, of the PostgreSQL backends serving the "
+        "cpu_note": "cpu_ms_per_request: CPU time of the server's processes, of the PostgreSQL backends serving the "
                     "benchmark database and of the upstream, divided by the requests of the run (Redis, shared with "
                     "other users of the machine, is not counted)",
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),

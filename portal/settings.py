@@ -303,6 +303,8 @@ ATRIUM_CYCLE_LOCK = True
 ATRIUM_CURRENCY = env.str("ATRIUM_CURRENCY", default="EUR")
 # The gateway's metering writer lets answered requests gather this long between two writes (serving/meterwriter.py).
 ATRIUM_METER_GATHER_MS = env.int("ATRIUM_METER_GATHER_MS", default=50)
+# The gateway's data plane runs the Django gateway in this many threads per process (serving/dataplane.py).
+ATRIUM_GATEWAY_DJANGO_THREADS = env.int("ATRIUM_GATEWAY_DJANGO_THREADS", default=32)
 
 # --- Content Security Policy: no inline script anywhere; plotly needs inline style attributes ---
 CONTENT_SECURITY_POLICY = {

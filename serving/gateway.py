@@ -1,11 +1,12 @@
 """The OpenAI-compatible gateway: /v1/models, /v1/chat/completions, /v1/completions,
 /v1/embeddings, /v1/applications/<slug>/chat and /v1/knowledge_bases/<id>/search.
 
-Every request: Bearer key -> serving.services.authenticate_key (fresh checks, no cache; the
-key, its project, tenant, limits, creator's membership, the named service inside the key's
-tenant with the key's scope on it, and the month's tokens in one prepared statement) ->
-another tenant's object answers 404, a known one outside the key's scope 403 -> monthly
-budget -> Redis rate limits (429 + Retry-After) -> proxy with connect/read timeouts and
+Every request: Bearer key -> serving.services.authenticate_key (the key, its project, tenant,
+limits, creator's membership, the named service inside the key's tenant with the key's scope
+on it, and the month's tokens in one prepared statement; for the proxied endpoints possibly
+from memory, serving.authcache, validated by the admission below or the request starts again
+from the database) -> another tenant's object answers 404, a known one outside the key's
+scope 403 -> monthly budget -> Redis rate limits (429 + Retry-After) -> proxy with connect/read timeouts and
 bounded retries (one urllib3 pool per process, kept-alive connections) -> the answer -> meter
 the upstream's `usage` exactly once when the server has written the answer (MeteredResponse;
 a stream when it ends), handed to the process's metering writer (serving.meterwriter) so the
@@ -56,12 +57,22 @@ class GatewayError(Exception):
                               headers=self.headers)
 
 
+def error_payload(message: str, *, type_: str = "invalid_request_error", code: str | None = None,
+                  param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, *, type_: str = "invalid_request_error", code: str | None = None,
                    param: str | None = None, headers: dict | None = None) -> JsonResponse:
-    resp = JsonResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status=status)
+    resp = JsonResponse(error_payload(message, type_=type_, code=code, param=param), status=status)
     for k, v in (headers or {}).items():
         resp[k] = v
     return resp
+
+
+def unavailable() -> GatewayError:
+    return GatewayError(503, "The gateway is temporarily unavailable; retry shortly.", type_="server_error",
+                        code="service_unavailable", headers={"Retry-After": "5"})
 
 
 def gateway_view(methods: tuple[str, ...]):
@@ -73,13 +84,20 @@ def gateway_view(methods: tuple[str, ...]):
             if request.method not in methods:
                 return error_response(405, f"Use {' or '.join(methods)} here.", headers={"Allow": ", ".join(methods)})
             try:
-                return fn(request, *args, **kwargs)
+                try:
+                    return fn(request, *args, **kwargs)
+                except (GatewayError, StaleCaller):
+                    if not getattr(request, "atrium_unvalidated", False):
+                        raise
+                    # decided on a key check from memory that the admission script has not
+                    # validated (serving.authcache): check the key in the database and start again
+                    request.atrium_refresh, request.atrium_unvalidated = True, False
+                    return fn(request, *args, **kwargs)
             except GatewayError as exc:
                 return exc.response()
             except (DatabaseError, RedisError):
                 log.exception("gateway dependency unavailable (request %s)", getattr(request, "request_id", ""))
-                return error_response(503, "The gateway is temporarily unavailable; retry shortly.",
-                                      type_="server_error", code="service_unavailable", headers={"Retry-After": "5"})
+                return unavailable().response()
             except Exception:  # a bug: answer in the API's shape, with the id to find it in the log
                 log.exception("gateway error (request %s)", getattr(request, "request_id", ""))
                 return error_response(500, f"Internal gateway error (request {getattr(request, 'request_id', '')}).",
@@ -97,7 +115,10 @@ def gateway_view(methods: tuple[str, ...]):
 
 
 def _bearer(request) -> str:
-    header = request.META.get("HTTP_AUTHORIZATION", "")
+    return bearer_token(request.META.get("HTTP_AUTHORIZATION", ""))
+
+
+def bearer_token(header: str) -> str:
     if not header:
         raise GatewayError(401, "No API key provided. Send 'Authorization: Bearer atr_...'.", code="invalid_api_key")
     scheme, _, token = header.partition(" ")
@@ -106,15 +127,28 @@ def _bearer(request) -> str:
     return token.strip()
 
 
-def _authenticate(request, *, model=None) -> svc.Caller:
+class StaleCaller(Exception):
+    """The key check from memory is no longer current (serving.ratelimit.admit_cached)."""
+
+
+def _authenticate(request, *, model=None, cache: bool = False) -> svc.Caller:
     """The caller behind the Bearer key (401/403 when it cannot be used), with the service named
-    `model` looked up inside the key's tenant in the same statement."""
+    `model` looked up inside the key's tenant in the same statement. With `cache` (the proxied
+    endpoints, which all pass _admit) it may come from memory, unvalidated until _admit."""
     token = _bearer(request)
-    named = model if isinstance(model, str) and 0 < len(model) <= 200 and "\x00" not in model else None
+    named = model_name(model)
     try:
-        return svc.authenticate_key(token, service=named)
+        caller = svc.authenticate_key(token, service=named, cache=cache,
+                                      refresh=getattr(request, "atrium_refresh", False))
     except svc.KeyRejected as exc:
         raise GatewayError(exc.status, str(exc), code=exc.code) from None
+    request.atrium_unvalidated = caller.ticket is not None
+    return caller
+
+
+def model_name(model) -> str | None:
+    """The service name a request's `model` can be looked up by (None: no service has it)."""
+    return model if isinstance(model, str) and 0 < len(model) <= 200 and "\x00" not in model else None
 
 
 def _authenticate_with_body(request) -> tuple[svc.Caller, dict]:
@@ -124,22 +158,33 @@ def _authenticate_with_body(request) -> tuple[svc.Caller, dict]:
         body, problem = _json_body(request), None
     except GatewayError as exc:
         body, problem = {}, exc
-    caller = _authenticate(request, model=body.get("model"))
+    caller = _authenticate(request, model=body.get("model"), cache=True)
     if problem is not None:
         raise problem
     return caller, body
 
 
 def _json_body(request) -> dict:
-    if request.content_type != "application/json":
+    check_body_headers(request.content_type, request.META.get("CONTENT_LENGTH"))
+    raw = getattr(request, "atrium_body", None)
+    if raw is None:  # read once: a request started again (gateway_view) parses the same bytes
+        raw = request.atrium_body = request.read(MAX_BODY + 1)
+    return parse_json_body(raw)
+
+
+def check_body_headers(content_type: str, content_length: str | None) -> None:
+    if content_type != "application/json":
         raise GatewayError(415, "Send the request body as application/json.", code="unsupported_media_type")
     try:
-        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+        declared = int(content_length or 0)
     except ValueError:
         raise GatewayError(400, "Invalid Content-Length.") from None
     if declared > MAX_BODY:
         raise GatewayError(413, f"Request body too large (limit {MAX_BODY} bytes).", code="request_too_large")
-    raw = request.read(MAX_BODY + 1)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """The request's JSON object, from at most MAX_BODY + 1 bytes of it."""
     if len(raw) > MAX_BODY:
         raise GatewayError(413, f"Request body too large (limit {MAX_BODY} bytes).", code="request_too_large")
     try:
@@ -212,31 +257,58 @@ def _scope_denied(service: ModelService):
                        code="scope_denied", type_="permission_error")
 
 
-def _admit(caller: svc.Caller) -> list[ratelimit.Limit]:
-    """Monthly budget, then per-key and per-project rate limits. Returns the limits to add tokens to."""
+def _admit(request, caller: svc.Caller) -> list[ratelimit.Limit]:
+    """Monthly budget, then per-key and per-project rate limits. Returns the limits to add tokens to.
+    A key check from memory is validated here, in the same Redis round trip (StaleCaller if not)."""
+    key = caller.key
+    limits, checks = admission_checks(caller)
+    ticket = caller.ticket
+    if ticket is not None:
+        outcome = ratelimit.admit_cached(checks, generation=ticket.generation, project_id=key.project_id,
+                                         month=ticket.month, month_base=ticket.month_base,
+                                         budget=limits.monthly_token_budget, month_counter=ticket.month_counter)
+        if isinstance(outcome, ratelimit.Stale):
+            raise StaleCaller()
+        request.atrium_unvalidated = False
+        if isinstance(outcome, ratelimit.OverBudget):
+            _over_budget(key, limits, outcome.used)
+        refusal = outcome
+    else:
+        if limits.monthly_token_budget is not None:
+            used = caller.month_tokens if caller.month_tokens is not None else svc.tokens_this_month(key.project)
+            if used >= limits.monthly_token_budget:
+                _over_budget(key, limits, used)
+        refusal = ratelimit.check(checks)
+    if refusal is not None:
+        raise rate_limited(refusal)
+    return checks
+
+
+def admission_checks(caller: svc.Caller) -> tuple:
+    """(the project's serving limits, the rate limits a request of this caller counts against)."""
     key = caller.key
     limits = svc.limits_for(key.project)
-    if limits.monthly_token_budget is not None:
-        used = caller.month_tokens if caller.month_tokens is not None else svc.tokens_this_month(key.project)
-        if used >= limits.monthly_token_budget:
-            svc.raise_budget_alarm(key, used, limits.monthly_token_budget)
-            now = timezone.now()
-            nxt = (svc.month_start(now) + timezone.timedelta(days=32)).replace(day=1)
-            raise GatewayError(
-                429, f"Project {key.project.slug} has used its monthly token budget ({used} of "
-                     f"{limits.monthly_token_budget} tokens). Ask a tenant admin to raise it.",
-                type_="insufficient_quota", code="budget_exceeded",
-                headers={"Retry-After": str(int((nxt - now).total_seconds()))},
-            )
-    checks = [
+    return limits, [
         ratelimit.Limit("key", key.pk, key.requests_per_minute, key.tokens_per_minute),
         ratelimit.Limit("project", key.project_id, limits.requests_per_minute, limits.tokens_per_minute),
     ]
-    refusal = ratelimit.check(checks)
-    if refusal is not None:
-        raise GatewayError(429, refusal.message, type_="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(refusal.retry_after)})
-    return checks
+
+
+def rate_limited(refusal: ratelimit.Refusal) -> GatewayError:
+    return GatewayError(429, refusal.message, type_="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(refusal.retry_after)})
+
+
+def _over_budget(key: ApiKey, limits, used: int):
+    svc.raise_budget_alarm(key, used, limits.monthly_token_budget)
+    now = timezone.now()
+    nxt = (svc.month_start(now) + timezone.timedelta(days=32)).replace(day=1)
+    raise GatewayError(
+        429, f"Project {key.project.slug} has used its monthly token budget ({used} of "
+             f"{limits.monthly_token_budget} tokens). Ask a tenant admin to raise it.",
+        type_="insufficient_quota", code="budget_exceeded",
+        headers={"Retry-After": str(int((nxt - now).total_seconds()))},
+    )
 
 
 # --- upstream ---------------------------------------------------------------------------
@@ -271,13 +343,10 @@ def _post(service: ModelService, path: str, body: dict, *, stream: bool = False)
             resp = pool.urlopen("POST", prefix + path, body=data, headers=_JSON, timeout=timeout, retries=False,
                                 redirect=False, preload_content=not stream)
         except urllib3.exceptions.ReadTimeoutError:
-            raise GatewayError(504, "The model server did not answer in time; the request was not billed.",
-                               type_="server_error", code="upstream_timeout") from None
+            raise upstream_timeout() from None
         except urllib3.exceptions.HTTPError as exc:  # refused, reset, connect timeout, bad URL
             if last:
-                log.warning("upstream %s unreachable: %s", service.slug, type(exc).__name__)
-                raise GatewayError(502, "The model server is unreachable; the request was not billed.",
-                                   type_="server_error", code="upstream_unavailable") from None
+                raise upstream_unreachable(service, exc) from None
             time.sleep(BACKOFF * (attempt + 1))
             continue
         if resp.status in (502, 503) and not last:
@@ -286,6 +355,38 @@ def _post(service: ModelService, path: str, body: dict, *, stream: bool = False)
             continue
         return resp
     raise AssertionError("unreachable")
+
+
+def upstream_timeout() -> GatewayError:
+    return GatewayError(504, "The model server did not answer in time; the request was not billed.",
+                        type_="server_error", code="upstream_timeout")
+
+
+def upstream_unreachable(service: ModelService, exc: Exception) -> GatewayError:
+    log.warning("upstream %s unreachable: %s", service.slug, type(exc).__name__)
+    return GatewayError(502, "The model server is unreachable; the request was not billed.", type_="server_error",
+                        code="upstream_unavailable")
+
+
+def upstream_payload(raw: bytes) -> dict:
+    """The model server's JSON answer (502 when it is not a JSON object)."""
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
+        raise GatewayError(502, "The model server sent an invalid answer; the request was not billed.",
+                           type_="server_error", code="upstream_invalid")
+    return payload
+
+
+def upstream_body(service: ModelService, body: dict, endpoint: str) -> dict:
+    """The request as the model server gets it: its own model name; embeddings never stream."""
+    body = dict(body)
+    body["model"] = service.model_name_upstream
+    if endpoint == "embeddings":
+        body.pop("stream", None)
+    return body
 
 
 def _discard(resp: urllib3.BaseHTTPResponse) -> None:
@@ -298,6 +399,11 @@ def _discard(resp: urllib3.BaseHTTPResponse) -> None:
 def _upstream_failure(service: ModelService, resp: urllib3.BaseHTTPResponse) -> GatewayError:
     status = resp.status
     _discard(resp)
+    return upstream_error(service, status)
+
+
+def upstream_error(service: ModelService, status: int) -> GatewayError:
+    """What the client is told when the model server answered `status` (not 200); never billed."""
     log.warning("upstream %s answered %s", service.slug, status)
     if status == 429:
         return GatewayError(503, "The model server is overloaded; retry shortly. The request was not billed.",
@@ -330,25 +436,15 @@ def _meter(request, key, service, endpoint, uid, usage, checks, application=None
 def _proxy(request, caller: svc.Caller, service: ModelService, body: dict, endpoint: str, path: str, *,
            application: Application | None = None, extra: dict | None = None):
     key = caller.key
-    checks = _admit(caller)
+    checks = _admit(request, caller)
     uid = uuid.uuid4()  # the gateway's own id: the client cannot make two requests count as one
-    body = dict(body)
-    body["model"] = service.model_name_upstream
-    if body.get("stream") and endpoint != "embeddings":
+    body = upstream_body(service, body, endpoint)
+    if body.get("stream"):
         return _proxy_stream(request, key, service, body, endpoint, path, uid, checks, application)
-    if endpoint == "embeddings":
-        body.pop("stream", None)
     resp = _post(service, path, body)
     if resp.status != 200:
         raise _upstream_failure(service, resp)
-    try:
-        payload = json.loads(resp.data)
-    except ValueError:
-        raise GatewayError(502, "The model server sent an invalid answer; the request was not billed.",
-                           type_="server_error", code="upstream_invalid") from None
-    if not isinstance(payload, dict):
-        raise GatewayError(502, "The model server sent an invalid answer; the request was not billed.",
-                           type_="server_error", code="upstream_invalid")
+    payload = upstream_payload(resp.data)
     usage = payload.get("usage")
     payload["model"] = service.slug
     if extra:
@@ -455,33 +551,48 @@ def models(request):
     return JsonResponse({"object": "list", "data": data})
 
 
-@gateway_view(("POST",))
-def chat_completions(request):
-    caller, body = _authenticate_with_body(request)
-    service = _service(caller, body.get("model"))
+def _check_chat(body: dict) -> None:
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise GatewayError(400, "'messages' must be a non-empty list.", param="messages")
     _check_generation_params(body)
-    return _proxy(request, caller, service, body, "chat", "/chat/completions")
 
 
-@gateway_view(("POST",))
-def completions(request):
-    caller, body = _authenticate_with_body(request)
-    service = _service(caller, body.get("model"))
+def _check_completion(body: dict) -> None:
     if not isinstance(body.get("prompt"), (str, list)):
         raise GatewayError(400, "'prompt' must be a string or a list of strings.", param="prompt")
     _check_generation_params(body)
-    return _proxy(request, caller, service, body, "completions", "/completions")
 
 
-@gateway_view(("POST",))
-def embeddings(request):
-    caller, body = _authenticate_with_body(request)
-    service = _service(caller, body.get("model"))
+def _check_embedding(body: dict) -> None:
     if not isinstance(body.get("input"), (str, list)):
         raise GatewayError(400, "'input' must be a string or a list.", param="input")
-    return _proxy(request, caller, service, body, "embeddings", "/embeddings")
+
+
+# The proxied OpenAI endpoints: (metering endpoint, path at the model server, body check).
+# serving.dataplane serves the same table.
+PROXIED = {
+    "chat/completions": ("chat", "/chat/completions", _check_chat),
+    "completions": ("completions", "/completions", _check_completion),
+    "embeddings": ("embeddings", "/embeddings", _check_embedding),
+}
+
+
+def _proxied_view(name: str):
+    endpoint, path, check = PROXIED[name]
+
+    def view(request):
+        caller, body = _authenticate_with_body(request)
+        service = _service(caller, body.get("model"))
+        check(body)
+        return _proxy(request, caller, service, body, endpoint, path)
+
+    view.__name__ = name.replace("/", "_")
+    return gateway_view(("POST",))(view)
+
+
+chat_completions = _proxied_view("chat/completions")
+completions = _proxied_view("completions")
+embeddings = _proxied_view("embeddings")
 
 
 def _key_kbs(key: ApiKey):
@@ -537,7 +648,7 @@ def kb_search(request, kb_id: int):
     top_k = body.get("top_k", 5)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 20:
         raise GatewayError(400, "'top_k' must be an integer from 1 to 20.", param="top_k")
-    _admit(caller)
+    _admit(request, caller)
     hits = svc.search_chunks(tenant_id=key.tenant_id, kb_ids=[kb.pk], query=query, top_k=top_k)
     return JsonResponse({"object": "list", "knowledge_base": kb.slug, "data": [
         {"chunk": h.chunk_id, "document": h.document, "text": h.text, "score": round(h.score, 4)} for h in hits]})

@@ -680,7 +680,7 @@ def test_deploy_manifests_are_consistent():
     for d in docs:
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
     deployments = by_kind["Deployment"]
-    assert set(deployments) == {"atrium-web", "atrium-worker", "atrium-scheduler"}
+    assert set(deployments) == {"atrium-web", "atrium-gateway", "atrium-worker", "atrium-scheduler"}
     # only the workers talk to the API, so only they run as the account the ClusterRole is bound to
     bound = by_kind["ClusterRoleBinding"]["atrium-cluster-backend"]["subjects"][0]["name"]
     users = {n: d["spec"]["template"]["spec"]["serviceAccountName"] for n, d in deployments.items()}
@@ -696,8 +696,18 @@ def test_deploy_manifests_are_consistent():
                 for d in [*deployments.values(), *by_kind["Job"].values()] if d["spec"]["template"]["spec"]
                 ["containers"][0]["command"][0] == "python"}
     assert commands == {"rqworker", "run_scheduler", "migrate"}
-    service = by_kind["Service"]["atrium-web"]
-    assert service["spec"]["selector"].items() <= deployments["atrium-web"]["spec"]["template"]["metadata"]["labels"].items()
+    for name in ("atrium-web", "atrium-gateway"):
+        selector = by_kind["Service"][name]["spec"]["selector"]
+        assert selector.items() <= deployments[name]["spec"]["template"]["metadata"]["labels"].items()
+        assert deployments[name]["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["path"] \
+            == "/healthz"
+    # /v1/ goes to the gateway's data plane, the rest to the portal
+    paths = {p["path"]: p["backend"]["service"]["name"]
+             for p in by_kind["Ingress"]["atrium-web"]["spec"]["rules"][0]["http"]["paths"]}
+    assert paths == {"/v1/": "atrium-gateway", "/": "atrium-web"}
+    gateway = deployments["atrium-gateway"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert gateway[:4] == ["gunicorn", "serving.dataplane:application", "-k", "serving.dataplane_worker.Worker"]
+    assert by_kind["ServiceAccount"]["atrium-gateway"]["automountServiceAccountToken"] is False
     for pdb in by_kind["PodDisruptionBudget"].values():
         matched = [n for n, d in deployments.items()
                    if pdb["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]

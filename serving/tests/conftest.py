@@ -3,11 +3,19 @@ two-tenant serving world (same service name and same distinctive word in both te
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
 import psycopg
 import pytest
+from django.conf import settings
 from django.db import connection
 
-from serving import ratelimit, upstream
+from portal.tests.test_faults import _get_status, free_port, wait_for
+from serving import authcache, ratelimit, upstream
 from serving import services as svc
 from tenants import services as tenancy
 
@@ -31,7 +39,83 @@ def up(upstream_server):
 @pytest.fixture(autouse=True)
 def _clean_rate_limits():
     ratelimit.clear()
+    authcache.clear()
     yield
+
+
+def server_env(**extra) -> dict:
+    """The environment of a gateway server process on the test database and Redis."""
+    db = connection.settings_dict
+    return {**os.environ, "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/"
+                                          f"{db['NAME']}",
+            "REDIS_URL": settings.REDIS_URL, "DEBUG": "0", "SECURE_SSL_REDIRECT": "0", "LOG_LEVEL": "WARNING",
+            "DJANGO_SETTINGS_MODULE": "portal.settings", "SESSION_COOKIE_SECURE": "0", "CSRF_COOKIE_SECURE": "0",
+            **extra}
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: str
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def start_dataplane(*, workers: int = 2, **env) -> Server:
+    """serving.dataplane as production runs it (deploy/k8s/gateway.yaml), on the test database."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="atrium-dataplane-", suffix=".log", delete=False)  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "serving.dataplane:application", "-k", "serving.dataplane_worker.Worker",
+         "-b", f"127.0.0.1:{port}", "-w", str(workers), "--log-level", "warning"],
+        cwd=settings.BASE_DIR, env=server_env(**env), stdout=log, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", process, log.name)
+    try:
+        wait_for(lambda: _get_status(f"{server.url}/healthz") == 200, 60, what="the data plane to answer")
+    except AssertionError:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def dataplane_server(django_db_setup, django_db_blocker):
+    """One data plane (two processes) for the session's tests that use it."""
+    server = start_dataplane()
+    yield server
+    server.stop()
+    with open(server.log) as log:
+        text = log.read()
+    if "Traceback" in text:  # the data plane's own account of a failure, next to the test's
+        sys.stderr.write(f"--- data plane log ---\n{text[-20000:]}\n")
+    os.unlink(server.log)
+
+
+@pytest.fixture
+def dataplane(dataplane_server, up):
+    """The session's data plane for one test, which ends once the data plane has metered what the
+    upstream answered: a write arriving after the next test emptied the tables would land there."""
+    yield dataplane_server
+    from serving.models import GatewayRequest
+
+    wait_for(lambda: GatewayRequest.objects.count() >= up.stats.requests, 15,
+             what="the data plane to meter what it answered")
+
+
+@pytest.fixture(params=["django", "dataplane"])
+def gateway_url(request):
+    """The gateway over real HTTP: the Django gateway (the test's live server) and the data plane."""
+    if request.param == "django":
+        return request.getfixturevalue("live_server").url
+    return request.getfixturevalue("dataplane").url
 
 
 class World:

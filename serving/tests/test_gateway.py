@@ -46,9 +46,11 @@ def metered_totals_once_written(requests_answered: int, timeout: float = 10.0):
 # --- authorisation --------------------------------------------------------------------------
 
 
-def test_authorisation_matrix_over_real_http(world, live_server):
+@pytest.mark.django_db(transaction=True)
+def test_authorisation_matrix_over_real_http(gateway_url, world):
+    """Over both servers: the Django gateway and the data plane (which hands all of these to it)."""
     w = world
-    url = f"{live_server.url}/v1/chat/completions"
+    url = f"{gateway_url}/v1/chat/completions"
     beta_only = svc.create_model_service(
         w.org.people["beta"]["admin"], project=w.org.projects["beta"], slug="beta-private", name="bp",
         base_model="beta-llm", spec=w.org.specs["l4half"], priority_class=w.org.prio["batch"], upstream_url=w.up.base_url)
@@ -184,12 +186,15 @@ def test_every_successful_request_is_metered_exactly_once(world, client):
 
 
 @pytest.mark.slow
-def test_200_concurrent_requests_over_20_keys_metered_exactly_once(world, live_server):
+@pytest.mark.django_db(transaction=True)
+def test_200_concurrent_requests_over_20_keys_metered_exactly_once(gateway_url, world):
+    """Over the data plane, each key's first requests take the Django path (and fill the
+    memory of key checks) while the others are answered from memory: both, concurrently."""
     w = world
     user = w.org.people["alpha"]["user"]
     secrets = [svc.create_api_key(user, project=w.org.projects["alpha"], name=f"k{i}",
                                   services=[w.service["alpha"]])[1] for i in range(20)]
-    url = f"{live_server.url}/v1/chat/completions"
+    url = f"{gateway_url}/v1/chat/completions"
 
     def one(i):
         r = requests.post(url, json=chat_body("tok " * (1 + i % 7)), timeout=30,
@@ -305,12 +310,13 @@ def _sse(lines):
     return [json.loads(e) for e in events if e != "[DONE]"], events
 
 
-def test_stream_arrives_chunk_by_chunk_and_is_metered_once(world, live_server):
+@pytest.mark.django_db(transaction=True)
+def test_stream_arrives_chunk_by_chunk_and_is_metered_once(gateway_url, world):
     w = world
     text = "one two three four five six"
     started = time.monotonic()
     arrivals = []
-    with requests.post(f"{live_server.url}/v1/chat/completions", stream=True, timeout=30,
+    with requests.post(f"{gateway_url}/v1/chat/completions", stream=True, timeout=30,
                        headers={"Authorization": f"Bearer {w.secret['alpha']}"},
                        json=chat_body(text + " [[slow:150]]", stream=True)) as resp:
         assert resp.status_code == 200

@@ -8,7 +8,6 @@ the writer's statement waits on it while the requests answered meanwhile queue u
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import subprocess
 import sys
@@ -20,14 +19,13 @@ from contextlib import contextmanager
 import pytest
 import requests
 from django.conf import settings
-from django.db import connection
 from django.utils import timezone
 
 from portal.tests.test_faults import _get_status, free_port, wait_for
 from serving import meterwriter, ratelimit
 from serving import services as svc
 from serving.models import GatewayRequest, TokenUsage
-from serving.tests.conftest import admin_connection, chat_body
+from serving.tests.conftest import admin_connection, chat_body, server_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -154,12 +152,8 @@ def test_gunicorn_stopping_drains_the_writer_while_its_write_is_blocked(world):
     w = world
     clear_of_the_hour()
     key, service = w.key["alpha"], w.service["alpha"]
-    db = connection.settings_dict
     port = free_port()
-    env = {**os.environ, "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/"
-                                         f"{db['NAME']}",
-           "REDIS_URL": settings.REDIS_URL, "DEBUG": "0", "SECURE_SSL_REDIRECT": "0", "LOG_LEVEL": "WARNING",
-           "DJANGO_SETTINGS_MODULE": "portal.settings", "SESSION_COOKIE_SECURE": "0", "CSRF_COOKIE_SECURE": "0"}
+    env = server_env()
     web = subprocess.Popen([sys.executable, "-m", "gunicorn", "portal.wsgi:application", "-b", f"127.0.0.1:{port}",
                             "-w", "1", "--threads", "8", "--graceful-timeout", "30"],
                            cwd=settings.BASE_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
