@@ -3,9 +3,9 @@ what it answers from memory (serving.authcache) and how a change reaches it, the
 and budgets of its own path, the headers Django would have sent, upstream failures, and a
 graceful stop that meters every answered request.
 
-A session keeps one connection, so its requests meet one process: its first two requests take
-the Django path (a key's first check only learns the key's project; the second is kept), the
-next ones are answered from memory."""
+A session keeps one connection, so its requests meet one process: a key's first request takes
+the Django path, which keeps its check (for a project with a monthly budget only the second
+does: the first learns which month counter to read), the next ones are answered from memory."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from serving.tests.conftest import chat_body, start_dataplane
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-WARM = 2  # requests of one key on one connection before it is answered from memory
+WARM = 2  # requests of one key on one connection after which it is answered from memory, budget or not
 
 
 def session(secret: str) -> requests.Session:
