@@ -30,13 +30,17 @@ def client_address(request) -> str:
     return peer
 
 
+def request_id_from(incoming: str) -> str:
+    """The caller's X-Request-ID when it is a plain token of at most 64 characters, else a new one."""
+    return incoming if incoming.isalnum() and len(incoming) <= 64 else context.new_request_id()
+
+
 class RequestContextMiddleware:
     def __init__(self, get_response):
         self.get_response = get_response
 
     def __call__(self, request):
-        incoming = request.META.get("HTTP_X_REQUEST_ID", "")
-        rid = incoming if incoming.isalnum() and len(incoming) <= 64 else context.new_request_id()
+        rid = request_id_from(request.META.get("HTTP_X_REQUEST_ID", ""))
         request.request_id = rid
         token = context.set_context(
             context.RequestContext(

@@ -47,8 +47,7 @@ from django.middleware.security import SecurityMiddleware
 from django.test import RequestFactory
 from redis.exceptions import RedisError
 
-from portal import context
-from portal.middleware import GATEWAY_CSP
+from portal.middleware import GATEWAY_CSP, request_id_from
 from portal.wsgi import application as django_application
 from serving import authcache, gateway, meterwriter, ratelimit
 from serving import keys as keymat
@@ -57,7 +56,6 @@ from serving import services as svc
 log = logging.getLogger("atrium.gateway")
 
 FAST = {f"/v1/{name}": spec for name, spec in gateway.PROXIED.items()}
-_JSON = {"Content-Type": "application/json", "Accept": "application/json"}
 
 
 class _State:
@@ -158,10 +156,8 @@ async def _answer_fast(scope, route, raw: bytes, send) -> bool:
     try:
         await _send_json(send, 200, payload, secure, rid)
     finally:  # answered, or the client went away after the model server answered: metered, as under gunicorn
-        inp, out = gateway._usage_counts(usage, endpoint)
         try:
-            meterwriter.meter(svc.usage_of(uid=uid, key=caller.key, service=service, endpoint=endpoint,
-                                           input_tokens=inp, output_tokens=out, request_id=rid), checks)
+            gateway.meter_usage(rid, caller.key, service, endpoint, uid, usage, checks)
         except Exception:
             log.exception("gateway request %s was answered but could not be metered", uid)
     return True
@@ -175,7 +171,7 @@ async def _post(service, path: str, body: dict) -> tuple[int, bytes]:
     for attempt in range(gateway.RETRIES + 1):
         last = attempt == gateway.RETRIES
         try:
-            async with state.http.post(url, data=data, headers=_JSON, timeout=timeout,
+            async with state.http.post(url, data=data, headers=gateway._JSON, timeout=timeout,
                                        allow_redirects=False) as resp:
                 if resp.status in (502, 503) and not last:
                     await resp.read()
@@ -237,8 +233,7 @@ def _host_allowed(headers: dict) -> bool:
 
 
 def _request_id(headers: dict) -> str:
-    incoming = headers.get("x-request-id", "")  # as portal.middleware.RequestContextMiddleware takes it
-    return incoming if incoming.isalnum() and len(incoming) <= 64 else context.new_request_id()
+    return request_id_from(headers.get("x-request-id", ""))
 
 
 def _gateway_headers(secure: bool) -> list[tuple[bytes, bytes]]:

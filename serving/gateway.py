@@ -427,10 +427,15 @@ def _usage_counts(usage, endpoint: str) -> tuple[int | None, int | None]:
 
 
 def _meter(request, key, service, endpoint, uid, usage, checks, application=None, note="") -> None:
+    meter_usage(getattr(request, "request_id", ""), key, service, endpoint, uid, usage, checks, application, note)
+
+
+def meter_usage(request_id, key, service, endpoint, uid, usage, checks, application=None, note="") -> None:
+    """Hand an answered request to the metering writer, with the upstream's `usage` as counted."""
     inp, out = _usage_counts(usage, endpoint)
     meterwriter.meter(svc.usage_of(uid=uid, key=key, service=service, endpoint=endpoint, input_tokens=inp,
                                    output_tokens=out, application=application, note=note,
-                                   request_id=getattr(request, "request_id", "")), checks)
+                                   request_id=request_id), checks)
 
 
 def _proxy(request, caller: svc.Caller, service: ModelService, body: dict, endpoint: str, path: str, *,

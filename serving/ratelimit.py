@@ -163,14 +163,12 @@ return out
 """
 
 
-@lru_cache(maxsize=4)
-def _admit_script(redis_client: redis.Redis):
-    return redis_client.register_script(_ADMIT)
-
-
 def admit_script(redis_client):
     """_ADMIT registered on `redis_client` (EVALSHA, loaded on first use)."""
     return redis_client.register_script(_ADMIT)
+
+
+_admit_script = lru_cache(maxsize=4)(admit_script)  # the synchronous client's, made once
 
 
 @dataclass(frozen=True)
